@@ -1,0 +1,6 @@
+"""Kernels: the attention custom ops, their torch references and the Triton paged kernels."""
+
+from rlt_compile.kernels import ops  # noqa: F401  (registers torch.ops.rlt.*)
+from rlt_compile.kernels.metadata import AttentionMetadata, build_metadata
+
+__all__ = ["AttentionMetadata", "build_metadata"]

@@ -1,0 +1,56 @@
+"""The attention custom ops: the one generic op models call, and the concrete backends.
+
+``torch.ops.rlt.attention`` is what every model's attention calls (design contract 1). Its eager
+implementation is the plain-torch reference, so models run anywhere. Under ``compile_model`` the
+attention-swap pass rewrites each call to the backend the Platform picks (``ATTENTION_BACKENDS``).
+All ops share one signature, write the step's K/V into ``kv_cache`` and return the attention
+output; their fake implementations let Dynamo and Inductor treat each call as a single node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlt_compile.kernels.reference import attention_reference
+
+_ARGS = "q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale"
+
+
+@torch.library.custom_op("rlt::attention", mutates_args=("kv_cache",))
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Generic paged attention (eager: the torch reference)."""
+    return attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+
+
+@torch.library.custom_op("rlt::attention_torch", mutates_args=("kv_cache",))
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The torch backend: the same reference, as an explicit backend the swap pass can select."""
+    return attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+    return torch.empty_like(q)
+
+
+attention.register_fake(_fake)
+attention_torch.register_fake(_fake)
