@@ -1,0 +1,80 @@
+"""What every looped model exposes to the compiler and the engine.
+
+A model's ``forward`` takes a flat batch of tokens (``input_ids``, ``positions``), the list of KV
+planes (one per (loop step, layer) slot, each ``[2, num_blocks, block_size, kv_heads, head_dim]``),
+the batch's ``AttentionMetadata`` and the rows to produce logits for, and returns fp32 logits.
+It is plain Python that calls a few *compile units* (methods named in ``compile_units``): the
+per-loop body is one of them and is called once per loop step, so ``compile_model`` compiles it
+once however many steps run (design contract 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a model's paged KV cache: one plane per slot, all sharing block ids."""
+
+    num_slots: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class LoopedLM(nn.Module):
+    family: ClassVar[str]
+    compile_units: ClassVar[tuple[str, ...]]
+
+    config: object
+    tokenizer: object | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_context(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def default_steps(self) -> int:
+        """Loop steps (or recurrences) a forward runs when the caller does not say."""
+        raise NotImplementedError
+
+    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+        raise NotImplementedError
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_steps: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[torch.Tensor]:
+        """One zeroed ``[2, num_blocks, block_size, kv_heads, head_dim]`` plane per slot."""
+        layout = self.kv_layout(max_steps)
+        ref = next(self.parameters())
+        dtype = dtype or ref.dtype
+        device = device or ref.device
+        shape = (2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+
+    def check_steps(self, steps: int, kv_caches: list[torch.Tensor]) -> None:
+        needed = self.kv_layout(steps).num_slots
+        if steps < 1:
+            raise ValueError(f"the number of loop steps must be >= 1, got {steps}")
+        if len(kv_caches) < needed:
+            raise ValueError(
+                f"{steps} loop steps need {needed} KV slots but the cache has {len(kv_caches)}; "
+                "allocate the cache with a larger max_steps"
+            )
+
+    @staticmethod
+    def select_rows(h: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        return h if logits_indices is None else h.index_select(0, logits_indices)

@@ -1,0 +1,164 @@
+"""Nanbeige4.2: a Llama-shaped GQA decoder whose layers run ``num_loops`` times.
+
+Every loop has its own KV slots (slot = loop * num_hidden_layers + layer) and ends with
+``model.norm`` (unless ``skip_loop_final_norm``, in which case the norm runs once at the end).
+Positions are the same in every loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rlt_compile.kernels.metadata import AttentionMetadata
+from rlt_compile.models.base import KVLayout, LoopedLM
+from rlt_compile.models.config import config_from_dict, is_null
+from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+
+
+def _empty_list(value) -> bool:
+    """an empty list (the research flag is off)"""
+    return not value
+
+
+@dataclass(frozen=True)
+class NanbeigeConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    num_loops: int = 2
+    loop_loss_weights: list = field(default_factory=list)
+    skip_loop_final_norm: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> NanbeigeConfig:
+        return config_from_dict(
+            cls,
+            raw,
+            rejected={
+                "rope_scaling": lambda v: v is None or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default"),
+                "hidden_act": "silu",
+                "mlp_bias": False,
+                "qk_layernorm": False,
+                "loop_share_kv": False,
+                "enable_double_loop_split": False,
+                "use_sliding_window": False,
+                "sliding_window": is_null,
+            },
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def loops(self) -> int:
+        return len(self.loop_loss_weights) + 1 if self.loop_loss_weights else self.num_loops
+
+
+class NanbeigeDecoderLayer(nn.Module):
+    def __init__(self, cfg: NanbeigeConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = Attention(d, cfg.num_attention_heads, cfg.kv_heads, cfg.dim_per_head, cfg.attention_bias)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, kv_cache, attn: AttentionMetadata):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class NanbeigeModel(nn.Module):
+    def __init__(self, cfg: NanbeigeConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(NanbeigeDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class NanbeigeForCausalLM(LoopedLM):
+    family = "nanbeige"
+    compile_units = ("embed", "loop_step", "head")
+
+    def __init__(self, cfg: NanbeigeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = NanbeigeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def default_steps(self) -> int:
+        return self.config.loops
+
+    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+        steps = max_steps or self.config.loops
+        return KVLayout(steps * self.config.num_hidden_layers, self.config.kv_heads, self.config.dim_per_head)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        return self.model.embed_tokens(input_ids), cos, sin
+
+    def loop_step(self, h, cos, sin, kv_caches: list[torch.Tensor], attn: AttentionMetadata):
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, attn)
+        return h if self.config.skip_loop_final_norm else self.model.norm(h)
+
+    def head(self, h: torch.Tensor):
+        if self.config.skip_loop_final_norm:
+            h = self.model.norm(h)
+        return self.lm_head(h).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+        *,
+        num_steps: int | None = None,
+        return_details: bool = False,
+    ):
+        steps = num_steps or self.config.loops
+        self.check_steps(steps, kv_caches)
+        n = self.config.num_hidden_layers
+        h, cos, sin = self.embed(input_ids, positions)
+        per_step = []
+        for loop in range(steps):
+            h = self.loop_step(h, cos, sin, kv_caches[loop * n : (loop + 1) * n], attn)
+            if return_details:
+                per_step.append(self.select_rows(h, logits_indices))
+        logits = self.head(self.select_rows(h, logits_indices))
+        if not return_details:
+            return logits
+        return logits, {"hidden_per_step": torch.stack(per_step)}
