@@ -29,9 +29,30 @@ class KVLayout:
 class LoopedLM(nn.Module):
     family: ClassVar[str]
     compile_units: ClassVar[tuple[str, ...]]
+    embedding_name: ClassVar[str]  # the input embedding weight that a tied lm_head shares
 
     config: object
     tokenizer: object | None = None
+
+    @property
+    def ties_embeddings(self) -> bool:
+        raise NotImplementedError
+
+    def rope_params(self) -> tuple[int, float]:
+        """(rotary dim, theta) from which the non-persistent ``inv_freq`` buffer is rebuilt."""
+        raise NotImplementedError
+
+    def tied_names(self) -> set[str]:
+        return {"lm_head.weight"} if self.ties_embeddings else set()
+
+    def tie_weights(self) -> None:
+        if self.ties_embeddings:
+            self.lm_head.weight = self.get_parameter(self.embedding_name)
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        from rlt_compile.models.layers import rope_inv_freq
+
+        self.inv_freq = rope_inv_freq(*self.rope_params(), device=device)
 
     @property
     def vocab_size(self) -> int:

@@ -100,6 +100,7 @@ class HuginnTransformer(nn.Module):
 
 
 class HuginnForCausalLM(LoopedLM):
+    embedding_name = "transformer.wte.weight"
     family = "huginn"
     compile_units = ("prelude", "loop_step", "coda")
 
@@ -108,9 +109,15 @@ class HuginnForCausalLM(LoopedLM):
         self.config = cfg
         self.transformer = HuginnTransformer(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_rows, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_base), persistent=False)
+
+    @property
+    def ties_embeddings(self) -> bool:
+        return self.config.tie_embeddings
+
+    def rope_params(self) -> tuple[int, float]:
+        return (self.config.head_dim, self.config.rope_base)
 
     @property
     def vocab_size(self) -> int:

@@ -96,6 +96,7 @@ class NanbeigeModel(nn.Module):
 
 
 class NanbeigeForCausalLM(LoopedLM):
+    embedding_name = "model.embed_tokens.weight"
     family = "nanbeige"
     compile_units = ("embed", "loop_step", "head")
 
@@ -104,9 +105,15 @@ class NanbeigeForCausalLM(LoopedLM):
         self.config = cfg
         self.model = NanbeigeModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
+
+    @property
+    def ties_embeddings(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def rope_params(self) -> tuple[int, float]:
+        return (self.config.dim_per_head, self.config.rope_theta)
 
     @property
     def vocab_size(self) -> int:

@@ -108,6 +108,7 @@ def threshold_exit_steps(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 class OuroForCausalLM(LoopedLM):
+    embedding_name = "model.embed_tokens.weight"
     family = "ouro"
     compile_units = ("embed", "loop_step", "head")
 
@@ -116,9 +117,15 @@ class OuroForCausalLM(LoopedLM):
         self.config = cfg
         self.model = OuroModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
+
+    @property
+    def ties_embeddings(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def rope_params(self) -> tuple[int, float]:
+        return (self.config.dim_per_head, self.config.rope_theta)
 
     @property
     def vocab_size(self) -> int:
