@@ -1,0 +1,73 @@
+"""EngineConfig: the engine's knobs (batch limits, KV pool size, scheduling policy, compile/graphs).
+
+``num_blocks`` sizes the paged KV pool explicitly; otherwise the pool takes
+``gpu_memory_utilization`` of the device's free memory (on the CPU: of available RAM, capped by
+``cpu_kv_cache_bytes``), never more than ``max_num_seqs`` full-length sequences need.
+``model_options`` are passed to every model forward (Huginn ``num_steps`` / ``init_scale``,
+Ouro ``exit_at_step`` ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    max_queue_size: int | None = None  # waiting requests; None = unbounded
+    model_options: dict = field(default_factory=dict)
+    compile: bool = False
+    compile_options: dict = field(default_factory=dict)
+    use_cuda_graphs: bool = False
+    cuda_graph_buckets: list[int] | None = None
+    seed: int = 0  # for requests without their own seed
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {message}")
+
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        check(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            f"must be >= 1, got {self.max_model_len}",
+        )
+        check(self.scheduling_policy in POLICIES, "scheduling_policy", f"must be one of {POLICIES}")
+        check(
+            self.max_queue_size is None or self.max_queue_size >= 1,
+            "max_queue_size",
+            f"must be >= 1 or None, got {self.max_queue_size}",
+        )
+
+    @classmethod
+    def split_options(cls, options: dict) -> tuple[EngineConfig, dict]:
+        """(EngineConfig from the known keys, the remaining keys)."""
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in options.items() if k in names}
+        rest = {k: v for k, v in options.items() if k not in names}
+        return cls(**known), rest

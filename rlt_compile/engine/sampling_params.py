@@ -1,0 +1,93 @@
+"""SamplingParams: how one request is decoded (length, randomness, stops, logprobs, n).
+
+Every field is validated when the object is built (and again at ``add_request``); a bad value raises
+``ValueError`` whose message starts with the field's name. Defaults follow vLLM: ``temperature=1.0``
+(random sampling), ``max_tokens=16``; ``temperature=0`` means greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per token (0: only the sampled one)
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            "logprobs",
+            f"must be None or an integer >= 0, got {self.logprobs!r}",
+        )
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in stops), "stop", f"must be non-empty strings, got {self.stop!r}")
+        self.stop_strings = stops
+        ids = self.stop_token_ids or []
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in ids),
+            "stop_token_ids",
+            f"must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+
+    def clone(self, **changes) -> SamplingParams:
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")

@@ -1,0 +1,152 @@
+"""Scheduler: which sequences run in the next step, and how many of their tokens.
+
+Continuous batching under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Running sequences go first, in policy order: a decode costs one token, an
+unfinished (chunked) prefill takes as much of the remaining budget as it needs. Waiting sequences
+are then admitted in policy order (FCFS: arrival; priority: lower value first, then arrival),
+starting after any prefix-cache hit, their prefill chunked to fit the budget.
+
+When the pool runs out of blocks, the least urgent running sequence is preempted by recompute:
+its blocks are freed and it goes back to the waiting queue keeping its generated tokens, to be
+prefilled again (from prompt + output, often partly from the prefix cache) later. Under the
+priority policy a waiting sequence also preempts a strictly less urgent running one when there is
+no room for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from rlt_compile.engine.block_manager import BlockManager
+from rlt_compile.engine.config import EngineConfig
+from rlt_compile.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens computed for each sequence this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_tokens)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+    def remove(self, seq: Sequence) -> int:
+        i = self.seqs.index(seq)
+        self.seqs.pop(i)
+        return self.num_tokens.pop(i)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.policy = config.scheduling_policy
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by policy key
+        self.running: list[Sequence] = []
+
+    # -- queues --------------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple:
+        return seq.policy_key(self.policy)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence from the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.num_preemptions += 1
+        batch.preempted.append(seq)
+        self.add(seq)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self._key)
+        queue = list(self.running)  # still to consider, most urgent first
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.bm.can_grow(seq, target):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                self.bm.grow(seq, target)
+                batch.add(seq, n)
+                budget -= n
+        if not batch.preempted:
+            budget = self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        """Move waiting sequences into the batch while budget, sequence slots and blocks last."""
+        chunked = self.config.enable_chunked_prefill
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
+            if not seq.ready():
+                i += 1
+                continue
+            matched = self.bm.match_prefix(seq.token_ids)
+            remaining = len(seq) - len(matched) * self.bm.block_size
+            if remaining > budget and not chunked and batch.seqs:
+                break  # whole prefills only; an empty batch takes it even over budget
+            n = min(remaining, budget) if chunked else remaining
+            if len(self.running) >= self.config.max_num_seqs or not self.bm.can_admit(seq, matched, n):
+                if self._preempt_for(seq, batch):
+                    continue  # budget, room and matches changed: retry the same sequence
+                break
+            self.waiting.pop(i)
+            self.bm.admit(seq, matched)
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        return budget
+
+    def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Priority policy: preempt the least urgent running sequence if it is less urgent than ``seq``."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._key)
+        if victim.priority <= seq.priority:
+            return False
+        if victim in batch.seqs:
+            batch.remove(victim)
+        self._preempt(victim, batch)
+        return True

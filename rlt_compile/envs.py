@@ -1,0 +1,72 @@
+"""Environment knobs read by rlt_compile, all in one place.
+
+Values are read when asked for (not at import), so tests can set them with ``monkeypatch.setenv``.
+
+    RLT_UVA                  auto | 0 | 1 (default auto). Whether the engine may hand the GPU pinned host
+                             buffers through unified virtual addressing instead of copying them. auto:
+                             on only if ``platform.probe_uva()`` finds that the device pointer of a pinned
+                             host buffer equals its host pointer; 0: off; 1: on without probing (GPU only).
+    RLT_ATTENTION_BACKEND    auto | flash | triton | torch (default auto). Overrides the attention backend
+                             the Platform picks (``Platform.select_attention_backend``).
+    TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
+                             "triton" to the CPU platform's backend order.
+
+AMD runtime knobs we document but never set (they belong to the user's launch environment):
+
+    HIP_FORCE_DEV_KERNARG    ROCm: place kernel arguments in device memory; lowers launch latency of
+                             small kernels and graph replays on MI200/MI300.
+    HSA_ENABLE_INTERRUPT     ROCm: 0 makes the host busy-wait on completion signals instead of sleeping
+                             on interrupts (lower sync latency, one CPU core spinning).
+"""
+
+from __future__ import annotations
+
+import os
+
+# name -> (default, description)
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "RLT_UVA": ("auto", "auto|0|1: use UVA for pinned host buffers (auto = probe)"),
+    "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
+    "TRITON_INTERPRET": ("0", "1 = run Triton kernels in the CPU interpreter"),
+}
+
+# Documented only; rlt_compile never sets or reads them.
+AMD_RUNTIME_KNOBS: dict[str, str] = {
+    "HIP_FORCE_DEV_KERNARG": "kernel arguments in device memory (lower launch latency)",
+    "HSA_ENABLE_INTERRUPT": "0 = busy-wait on completion signals instead of interrupts",
+}
+
+UVA_VALUES = ("auto", "0", "1")
+
+
+def get(name: str) -> str:
+    """The value of a known knob (its default when unset or empty), stripped and lower-cased."""
+    if name not in ENV_VARS:
+        raise KeyError(f"unknown rlt_compile environment variable {name!r}; known: {sorted(ENV_VARS)}")
+    value = os.environ.get(name, "").strip().lower()
+    return value or ENV_VARS[name][0]
+
+
+def rlt_uva() -> str:
+    """``RLT_UVA``: "auto", "0" or "1" (also accepts true/false/on/off/yes/no)."""
+    value = get("RLT_UVA")
+    value = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(value, value)
+    if value not in UVA_VALUES:
+        raise ValueError(f"RLT_UVA must be one of {UVA_VALUES}, got {os.environ.get('RLT_UVA')!r}")
+    return value
+
+
+def rlt_attention_backend() -> str:
+    """``RLT_ATTENTION_BACKEND`` ("auto" when unset); validated by the Platform."""
+    return get("RLT_ATTENTION_BACKEND")
+
+
+def triton_interpret() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the Triton CPU interpreter."""
+    return get("TRITON_INTERPRET") in ("1", "true", "on", "yes")
+
+
+def __getattr__(name: str) -> str:  # ``envs.RLT_UVA`` reads the environment now
+    if name in ENV_VARS:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

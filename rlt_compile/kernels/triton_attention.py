@@ -1,0 +1,511 @@
+"""Triton paged-attention kernels and the ``rlt::attention_triton`` custom op.
+
+Three kernels serve the varlen batch layout of ``metadata.py``:
+
+* ``_kv_write_kernel`` scatters this step's K/V rows into the paged cache plane
+  ``kv_cache[2, num_blocks, block_size, Hkv, D]`` at ``slot_mapping[t]`` (negative = skip).
+* ``_paged_attention_kernel`` is one "unified" kernel for a mixed batch: decode rows (one query),
+  prefill and chunked-prefill rows (many queries, causal over the cached prefix plus themselves).
+  A program owns one KV head and a tile of ``BLOCK_Q`` query tokens x all ``GROUP`` query heads
+  sharing that KV head (GQA), so each K/V tile is read once per group. The softmax is online, in
+  fp32 and in the log2 domain. Programs map to (sequence, query tile) without host reads: the
+  grid's first axis has ``num_tokens // BLOCK_Q + num_seqs`` programs, an upper bound on the
+  number of query tiles, and sequence ``s`` owns the programs from ``query_start_loc[s] // BLOCK_Q
+  + s`` on (a strictly increasing sequence, so each program finds its sequence by counting).
+* With ``NUM_SPLITS > 1`` the same kernel is the first half of split-K ("flash-decoding"): every
+  program handles one slice of the context and writes its normalised partial output plus its
+  log2-sum-exp; ``_split_reduce_kernel`` then merges the slices.
+
+Every grid size and tile choice depends on tensor shapes only (never on values), so the
+launchers can run inside CUDA/HIP graph capture. Head dims that are not a power of two (Huginn
+uses 96) are padded to the next power of two with masks. ``PRECISION`` is the ``tl.dot``
+``input_precision`` ("ieee" or "tf32"); it only matters for fp32 caches.
+
+On CPU tensors the kernels run in Triton's interpreter (bf16 is not exact there; use fp32/fp16).
+Kernels are wrapped lazily per mode, so importing this module before ``TRITON_INTERPRET=1`` is set
+does not break CPU runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "attention_triton",
+    "choose_num_splits",
+    "kv_write_triton",
+    "paged_attention_triton",
+]
+
+_LOG2E = 1.4426950408889634
+_PRECISIONS = ("ieee", "tf32")
+_MAX_SPLITS = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (plain functions; wrapped with JITFunction / InterpretedFunction on first use)
+# ----------------------------------------------------------------------------------------------
+
+
+def _kv_write_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_kv_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+    dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    num_seqs,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SEQ_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which sequence owns this program: the last s with query_start_loc[s] // BLOCK_Q + s <= pid.
+    offs_s = tl.arange(0, SEQ_P)
+    starts = tl.load(query_start_ptr + offs_s, mask=offs_s < num_seqs, other=1 << 28)
+    first_tile = starts // BLOCK_Q + offs_s
+    seq = tl.sum((first_tile <= pid).to(tl.int32), axis=0) - 1
+    if seq < 0:
+        return
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_off = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query (within the sequence) of the tile
+    if q_off >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # position of the sequence's first query
+
+    # Rows are (query token, head in group) pairs: row r -> token r // GROUP_P, head r % GROUP_P.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_off + offs_m // GROUP_P
+    head_in_group = offs_m % GROUP_P
+    head = kv_head * GROUP + head_in_group
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    q_pos = ctx_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # Keys this tile needs: positions [0, last query position + 1), and this split's slice of them.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_off + BLOCK_Q, q_len))
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        num_tiles = tl.cdiv(kv_end, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        kv_lo = split * tiles_per_split * BLOCK_N
+        kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_ch
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n
+        n_valid = pos < kv_hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+        k = tl.load(
+            k_cache_ptr + kv_off[None, :] + offs_d[:, None] * stride_cd,
+            mask=n_valid[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where(n_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd,
+            mask=n_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    store_mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        split64 = split.to(tl.int64)
+        p_ptrs = part_out_ptr + split64 * stride_ps + token[:, None] * stride_pt + head[:, None] * stride_ph
+        tl.store(p_ptrs + offs_d[None, :], out, mask=store_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + split64 * stride_ls + token * stride_lt + head, lse, mask=row_valid)
+
+
+def _split_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_ptr,
+    out_ptr,
+    num_seqs,
+    head_dim,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    valid = t < tl.load(query_start_ptr + num_seqs)  # padding token rows past the last sequence -> 0
+    offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    s_valid = offs_s < tl.where(valid, NUM_SPLITS, 0)  # (a scalar & block mask misbehaves in the interpreter)
+    lse = tl.load(part_lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    denom = tl.sum(w, axis=0)
+    parts = tl.load(
+        part_out_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+        mask=s_valid[:, None] & (w[:, None] > 0.0) & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_KERNELS: dict[tuple[str, bool], object] = {}
+
+
+def _kernel(fn, interpret: bool):
+    """The kernel ``fn`` compiled for the GPU, or wrapped for Triton's CPU interpreter."""
+    key = (fn.__name__, interpret)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(fn)
+        else:
+            from triton.runtime.jit import JITFunction
+
+            kernel = JITFunction(fn)
+        _KERNELS[key] = kernel
+    return kernel
+
+
+def _interpret(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``k``/``v`` [T, Hkv, D] into ``kv_cache`` [2, blocks, block_size, Hkv, D] at ``slot_mapping``."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _kernel(_kv_write_kernel, _interpret(k))[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_kv_heads,
+        head_dim,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
+    )
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 64
+
+
+def choose_num_splits(
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    block_n: int,
+    num_sms: int,
+) -> int:
+    """Shape-only split-K heuristic: split the context only for all-decode batches too small to fill
+    the GPU (``num_seqs * num_kv_heads`` programs below about two waves) with long enough contexts.
+
+    Returns a power of two (1 = no split)."""
+    if num_tokens != num_seqs or num_seqs == 0:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms
+    if programs >= target:
+        return 1
+    max_tiles = max(1, (max_blocks_per_seq * block_size) // block_n)
+    splits = triton.next_power_of_2(triton.cdiv(target, programs))
+    # Leave at least 4 key tiles per split at the longest context the block table can describe.
+    while splits > 1 and max_tiles < 4 * splits:
+        splits //= 2
+    return max(1, min(splits, _MAX_SPLITS))
+
+
+def _tile_config(interpret: bool, decode_like: bool, group_p: int, block_d: int, dtype: torch.dtype) -> dict:
+    """Tile sizes; every choice depends on shapes and dtypes only."""
+    if interpret:  # small tiles keep the interpreter fast and exercise the tile loops in tests
+        block_m, block_n, warps, stages = (16 if decode_like else 32), 16, 4, 1
+    elif decode_like:
+        block_m, block_n, warps, stages = 16, (64 if block_d <= 128 else 32), 4, 3
+    elif dtype == torch.float32:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    else:
+        big = block_d <= 128
+        block_m, block_n, warps, stages = (128 if big else 64), (64 if big else 32), (8 if big else 4), 2
+    block_m = max(block_m, group_p, 16)
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group_p, "BLOCK_N": block_n, "warps": warps, "stages": stages}
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    precision: str = "ieee",
+    split_k: bool | int | None = None,
+) -> torch.Tensor:
+    """Paged causal attention of a varlen batch over ``kv_cache`` (same semantics as
+    ``paged_attention_reference``). Returns a tensor like ``q`` (padding rows are zero).
+
+    ``split_k``: None picks by ``choose_num_splits`` (shapes only); False/0/1 disables split-K;
+    True forces it (the heuristic's count, at least 2); an int >= 2 is the number of context splits
+    (rounded up to a power of two). Nothing here reads tensor values on the host.
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    num_seqs = seq_lens.shape[0]
+    out = torch.zeros_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if kv_cache.dtype != torch.float32:
+        precision = "ieee"  # input_precision only matters for fp32 dots
+    interpret = _interpret(q)
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    decode_like = num_tokens == num_seqs
+    cfg = _tile_config(interpret, decode_like, group_p, block_d, kv_cache.dtype)
+
+    if split_k is None:
+        num_splits = choose_num_splits(
+            num_tokens,
+            num_seqs,
+            num_kv_heads,
+            block_tables.shape[1],
+            block_size,
+            cfg["BLOCK_N"],
+            _sm_count(q.device),
+        )
+    elif split_k is True:
+        num_splits = max(
+            2,
+            choose_num_splits(
+                num_seqs, num_seqs, num_kv_heads, block_tables.shape[1], block_size, cfg["BLOCK_N"], _sm_count(q.device)
+            ),
+        )
+    else:
+        num_splits = max(1, int(split_k))
+    num_splits = triton.next_power_of_2(num_splits)
+
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    else:  # unused placeholders
+        part_out = out
+        part_lse = out
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
+    _kernel(_paged_attention_kernel, interpret)[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        float(scale) * _LOG2E,
+        num_seqs,
+        head_dim,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        block_tables.stride(0),
+        *(part_out.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+        *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        SEQ_P=max(2, triton.next_power_of_2(num_seqs)),
+        NUM_SPLITS=num_splits,
+        PRECISION=precision,
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+    )
+    if num_splits > 1:
+        _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            query_start_loc,
+            out,
+            num_seqs,
+            head_dim,
+            *part_out.stride()[:3],
+            *part_lse.stride()[:2],
+            *out.stride(),
+            NUM_SPLITS=num_splits,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom op
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("rlt::attention_triton", mutates_args=("kv_cache",))
+def attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    precision: str = "ieee",
+) -> torch.Tensor:
+    """The Triton backend of ``rlt::attention``: KV write, then unified paged attention.
+
+    ``precision`` is the ``tl.dot`` input precision for fp32 caches ("ieee" or "tf32"; the
+    dot-precision pass sets it from ``Platform.dot_precision``)."""
+    kv_write_triton(k, v, kv_cache, slot_mapping)
+    return paged_attention_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, precision)
+
+
+@attention_triton.register_fake
+def _attention_triton_fake(
+    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, precision="ieee"
+):
+    return torch.empty_like(q)
+

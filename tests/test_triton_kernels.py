@@ -1,0 +1,380 @@
+"""Triton paged-attention kernels against the torch reference.
+
+CPU: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16 only; bf16 is wrong
+there). GPU (``-m gpu``): the same parity in bf16/fp32 with model-sized shapes, plus CUDA-graph
+capture with metadata changed between replays.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / rlt_compile are imported
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rlt_compile.kernels import backends, triton_attention  # noqa: E402
+from rlt_compile.kernels.metadata import build_metadata  # noqa: E402
+from rlt_compile.kernels.reference import (  # noqa: E402
+    attention_reference,
+    kv_write_reference,
+    paged_attention_reference,
+)
+from rlt_compile.kernels.triton_attention import (  # noqa: E402
+    choose_num_splits,
+    kv_write_triton,
+    paged_attention_triton,
+)
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA/ROCm GPU (run with -m gpu on the device)")
+
+TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+def make_case(
+    query_lens,
+    context_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    *,
+    pad_tokens=0,
+    pad_seqs=0,
+    extra_blocks=0,
+    device="cpu",
+    seed=0,
+):
+    """Random q/k/v and a random cache whose blocks are scattered over a shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [(q + c + block_size - 1) // block_size for q, c in zip(query_lens, context_lens)]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    for n in needed:
+        tables.append(perm[i : i + n])
+        i += n
+    md = build_metadata(
+        query_lens,
+        context_lens,
+        tables,
+        block_size,
+        device=device,
+        pad_tokens_to=sum(query_lens) + pad_tokens,
+        pad_seqs_to=len(query_lens) + pad_seqs,
+        pad_blocks_to=max(needed + [1]) + extra_blocks,
+    )
+    t = md.slot_mapping.shape[0]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rnd(t, num_heads, head_dim)
+    k = rnd(t, num_kv_heads, head_dim)
+    v = rnd(t, num_kv_heads, head_dim)
+    cache = rnd(2, num_blocks, block_size, num_kv_heads, head_dim)
+    return q, k, v, cache, md
+
+
+def check_attention(case, split_k, precision="ieee", tol=None):
+    q, k, v, cache, md = case
+    scale = q.shape[-1] ** -0.5
+    ref_cache = cache.clone()
+    kv_write_reference(k, v, ref_cache, md.slot_mapping)
+    ref = paged_attention_reference(q, ref_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+    kv_write_triton(k, v, cache, md.slot_mapping)
+    assert torch.equal(cache, ref_cache)
+    out = paged_attention_triton(
+        q, cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, precision=precision, split_k=split_k
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), ref.float(), **(tol or TOL[q.dtype]))
+    n_real = int(md.query_start_loc[-1])
+    assert torch.count_nonzero(out[n_real:]) == 0  # padding token rows
+    return out
+
+
+# (query_lens, context_lens): context lengths cross block (16/32) and key-tile (16) boundaries.
+MIXES = {
+    "decode": ([1, 1, 1, 1], [0, 15, 16, 47]),
+    "prefill": ([5, 17, 33], [0, 0, 0]),
+    "mixed": ([1, 9, 1, 20], [31, 0, 64, 7]),
+    "chunked": ([16, 7], [32, 17]),
+}
+HEADS = {"gqa8/2": (8, 2), "mha4": (4, 4)}
+
+
+# ------------------------------------------------------------------------------------------ CPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kv_write(dtype, block_size):
+    q, k, v, cache, md = make_case([3, 1, 9], [4, 20, 0], 4, 2, 16, block_size, dtype, pad_tokens=2, pad_seqs=1)
+    ref = cache.clone()
+    kv_write_reference(k, v, ref, md.slot_mapping)
+    kv_write_triton(k, v, cache, md.slot_mapping)
+    assert torch.equal(cache, ref)
+
+
+def test_kv_write_casts_and_strided_input():
+    _, k, v, cache, md = make_case([4, 2], [3, 30], 4, 2, 16, 16, torch.float32)
+    kv = torch.randn(k.shape[0], 2, 2, 16)  # k and v interleaved: non-contiguous views
+    k, v = kv[:, 0], kv[:, 1]
+    cache16 = cache.half()
+    ref = cache16.clone()
+    kv_write_reference(k, v, ref, md.slot_mapping)
+    kv_write_triton(k, v, cache16, md.slot_mapping)
+    assert torch.equal(cache16, ref)
+
+
+@pytest.mark.parametrize("split_k", [False, 4], ids=["nosplit", "split4"])
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_attention_fp32(mix, heads, split_k):
+    query_lens, context_lens = MIXES[mix]
+    block_size = 16 if heads == "gqa8/2" else 32
+    case = make_case(query_lens, context_lens, *HEADS[heads], 32, block_size, torch.float32, pad_tokens=3, pad_seqs=2)
+    check_attention(case, split_k)
+
+
+@pytest.mark.parametrize("split_k", [False, 2], ids=["nosplit", "split2"])
+@pytest.mark.parametrize("mix", ["decode", "mixed", "chunked"])
+def test_attention_fp16(mix, split_k):
+    query_lens, context_lens = MIXES[mix]
+    case = make_case(query_lens, context_lens, 6, 2, 32, 32, torch.float16, pad_tokens=1, pad_seqs=1, seed=1)
+    check_attention(case, split_k)
+
+
+@pytest.mark.parametrize("head_dim", [24, 96])
+def test_attention_non_power_of_two_head_dim(head_dim):
+    case = make_case([1, 6], [20, 11], 4, 2, head_dim, 16, torch.float32, pad_tokens=1, seed=2)
+    check_attention(case, False)
+    check_attention(case, 2)
+
+
+def test_attention_decode_auto_split_matches():
+    # All-decode, few programs and a wide block table: the heuristic picks split-K by itself.
+    case = make_case([1, 1], [70, 3], 4, 2, 16, 16, torch.float32, extra_blocks=60, seed=3)
+    _, _, _, cache, md = case
+    n_tokens = case[0].shape[0]
+    splits = choose_num_splits(n_tokens, md.num_seqs, 2, md.block_tables.shape[1], 16, 16, 64)
+    assert splits > 1
+    check_attention(case, None)
+    check_attention(case, True)
+
+
+def test_attention_single_token_and_padding_only_seqs():
+    case = make_case([1], [0], 2, 1, 16, 16, torch.float32, pad_tokens=2, pad_seqs=3, seed=4)
+    check_attention(case, None)
+    check_attention(case, 8)
+
+
+def test_attention_tf32_precision_is_accepted():
+    case = make_case([3, 1], [5, 9], 4, 2, 16, 16, torch.float32, seed=5)
+    check_attention(case, False, precision="tf32", tol={"atol": 1e-5, "rtol": 1e-5})  # ignored by the interpreter
+    with pytest.raises(ValueError, match="precision"):
+        paged_attention_triton(case[0], case[3], case[4].block_tables, case[4].seq_lens, case[4].query_start_loc, 1.0, "x")
+
+
+def test_choose_num_splits_shape_only():
+    # Only all-decode batches split; big batches fill the GPU without it; short tables limit splits.
+    assert choose_num_splits(8, 4, 8, 512, 16, 64, 132) == 1  # not all-decode
+    assert choose_num_splits(128, 128, 8, 512, 16, 64, 132) == 1  # enough programs
+    s = choose_num_splits(1, 1, 8, 512, 16, 64, 132)
+    assert s > 1 and s & (s - 1) == 0
+    assert choose_num_splits(1, 1, 8, 2, 16, 64, 132) == 1  # context too short to split
+    assert choose_num_splits(1, 1, 8, 512, 16, 64, 132) >= choose_num_splits(32, 32, 8, 512, 16, 64, 132)
+
+
+def test_launcher_reads_no_tensor_values(monkeypatch):
+    """Grid sizes and tiles come from shapes: no .item()/.tolist()/bool() from the launcher
+    (it must be capturable in a CUDA graph)."""
+    case = make_case([1, 5], [9, 30], 4, 2, 16, 16, torch.float32, pad_tokens=1, seed=6)
+    q, k, v, cache, md = case
+    launcher_file = triton_attention.__file__
+
+    def guard(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == launcher_file:
+                raise AssertionError(f"launcher called Tensor.{name}")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
+        guard(name)
+    kv_write_triton(k, v, cache, md.slot_mapping)
+    for split in (False, 2, None):
+        paged_attention_triton(q, cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.25, split_k=split)
+
+
+def test_custom_op_matches_generic_op():
+    q, k, v, cache, md = make_case([1, 6, 3], [17, 0, 40], 8, 2, 32, 16, torch.float32, pad_tokens=2, seed=7)
+    cache_ref = cache.clone()
+    args = (md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.2)
+    ref = torch.ops.rlt.attention(q, k, v, cache_ref, *args)
+    out = torch.ops.rlt.attention_triton(q, k, v, cache, *args, "ieee")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, cache_ref)
+
+
+def test_custom_op_opcheck():
+    q, k, v, cache, md = make_case([1, 4], [5, 2], 4, 2, 16, 16, torch.float32, seed=8)
+    args = (q, k, v, cache, md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25, "ieee")
+    torch.library.opcheck(
+        torch.ops.rlt.attention_triton.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
+
+
+def test_custom_op_under_torch_compile():
+    q, k, v, cache, md = make_case([1, 6], [20, 9], 4, 2, 16, 16, torch.float32, pad_tokens=2, seed=9)
+
+    def step(q, k, v, cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+        out = torch.ops.rlt.attention_triton(
+            q * 1.0, k, v, cache, slot_mapping, block_tables, seq_lens, query_start_loc, 0.25
+        )
+        return out + 1.0
+
+    cache_ref = cache.clone()
+    ref = attention_reference(q, k, v, cache_ref, *md, 0.25) + 1.0
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    out = compiled(q, k, v, cache, *md)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, cache_ref)  # the in-place KV write survives functionalization
+
+
+def test_backend_table():
+    assert backends.backend_op("torch") is torch.ops.rlt.attention_torch.default
+    assert backends.backend_op("triton") is torch.ops.rlt.attention_triton.default
+    assert set(backends.ATTENTION_BACKENDS) == {"torch", "triton"}
+    assert "flash" in backends.BACKEND_NAMES
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        backends.backend_op("nope")
+    schema = str(torch.ops.rlt.attention_triton.default._schema)
+    assert schema.endswith('float scale, str precision="ieee") -> Tensor'), schema
+    assert "Tensor(a3!) kv_cache" in schema
+
+
+def test_backend_flash_needs_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    with pytest.raises(backends.BackendUnavailableError, match="flash_attn"):
+        backends.backend_op("flash")
+    assert "flash_attn" not in sys.modules
+
+
+# ------------------------------------------------------------------------------------------ GPU
+GPU_MIXES = {
+    "decode_long": ([1] * 6, [1, 500, 1023, 1024, 2049, 4000]),
+    "mixed": ([1, 300, 1, 77, 1], [1500, 0, 17, 400, 3000]),
+    "chunked": ([512, 256], [1024, 333]),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("split_k", [None, False, 8], ids=["auto", "nosplit", "split8"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads", [(48, 8, 128), (16, 16, 128), (8, 2, 96)], ids=["gqa48/8", "mha16", "gqa-d96"])
+@pytest.mark.parametrize("mix", list(GPU_MIXES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_attention_parity(dtype, mix, heads, block_size, split_k):
+    query_lens, context_lens = GPU_MIXES[mix]
+    case = make_case(
+        query_lens, context_lens, *heads, block_size, dtype, pad_tokens=5, pad_seqs=2, device="cuda", seed=11
+    )
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else None
+    check_attention(case, split_k, precision="ieee", tol=tol)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_attention_tf32():
+    case = make_case([1, 200], [700, 50], 16, 4, 128, 16, torch.float32, device="cuda", seed=12)
+    check_attention(case, None, precision="tf32", tol={"atol": 2e-2, "rtol": 2e-2})
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gpu_decode_all_splits(batch):
+    gen = torch.Generator().manual_seed(batch)
+    ctx = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+    case = make_case([1] * batch, ctx, 48, 8, 128, 16, torch.bfloat16, device="cuda", seed=13)
+    for split in (None, 1, 2, 16, 64):
+        check_attention(case, split)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("split_k", [None, False])
+def test_gpu_cuda_graph_replay_with_new_metadata(split_k):
+    """Capture once with a padded shape, then change the metadata values in place and replay."""
+    bs, heads, kv_heads, dim, block = 4, 16, 4, 128, 16
+    max_blocks = 64
+    num_blocks = bs * max_blocks + 1
+    dev = "cuda"
+    cache = torch.randn(2, num_blocks, block, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(bs, heads, dim, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    static = build_metadata([1] * bs, [0] * bs, [[0]] * bs, block, device=dev, pad_blocks_to=max_blocks)
+
+    def step():
+        torch.ops.rlt.attention_triton(q, k, v, cache, *static, dim**-0.5, "ieee")
+        return paged_attention_triton(
+            q, cache, static.block_tables, static.seq_lens, static.query_start_loc, dim**-0.5, split_k=split_k
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up / compile outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial in range(3):
+        gen = torch.Generator().manual_seed(trial)
+        ctx = torch.randint(0, max_blocks * block - 1, (bs,), generator=gen).tolist()
+        perm = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()
+        tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(bs)]
+        md = build_metadata([1] * bs, ctx, tables, block, device=dev, pad_blocks_to=max_blocks)
+        for dst, src in zip(static, md):
+            dst.copy_(src)
+        q.normal_()
+        k.normal_()
+        v.normal_()
+        graph.replay()
+        ref_cache = cache.clone()
+        ref = paged_attention_reference(q, ref_cache, md.block_tables, md.seq_lens, md.query_start_loc, dim**-0.5)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_custom_op_under_inductor():
+    q, k, v, cache, md = make_case([1, 64, 1], [300, 0, 90], 48, 8, 128, 16, torch.bfloat16, device="cuda")
+
+    def step(q, k, v, cache, *md):
+        return torch.ops.rlt.attention_triton(q, k, v, cache, *md, 0.088, "ieee") * 2.0
+
+    cache_ref = cache.clone()
+    ref = attention_reference(q, k, v, cache_ref, *md, 0.088) * 2.0
+    out = torch.compile(step, fullgraph=True)(q, k, v, cache, *md)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(cache, cache_ref)
