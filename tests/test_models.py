@@ -121,7 +121,9 @@ def test_attention_reference_matches_sdpa_on_contiguous_cache():
     meta = build_metadata([n], [0], [[2, 0, 3]], 8)
     out = attention_reference(q, k, v, cache, *meta, scale=dim**-0.5)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
         is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -95,9 +95,7 @@ def load_state(model: LoopedLM, path: Path, dtype: torch.dtype, device: torch.de
             handle = handles[file]
             shape = tuple(handle.get_slice(name).get_shape())
             if shape != tuple(param.shape):
-                raise CheckpointError(
-                    f"{path}: tensor {name} has shape {list(shape)}, expected {list(param.shape)}"
-                )
+                raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, expected {list(param.shape)}")
             _set_tensor(model, name, handle.get_tensor(name).to(device=device, dtype=dtype))
     finally:
         handles.clear()

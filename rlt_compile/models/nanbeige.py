@@ -49,7 +49,9 @@ class NanbeigeConfig:
             cls,
             raw,
             rejected={
-                "rope_scaling": lambda v: v is None or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default"),
+                "rope_scaling": lambda v: (
+                    v is None or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default")
+                ),
                 "hidden_act": "silu",
                 "mlp_bias": False,
                 "qk_layernorm": False,
