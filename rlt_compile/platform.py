@@ -217,7 +217,10 @@ def _detect() -> Platform:
         arch = (getattr(props, "gcnArchName", "") or "").split(":")[0] or f"gfx{props.major}{props.minor}"
         return Platform(kind="rocm", arch=arch, warp_size=int(getattr(props, "warp_size", 64) or 64), **common)
     return Platform(
-        kind="cuda", arch=f"sm_{props.major}{props.minor}", warp_size=int(getattr(props, "warp_size", 32) or 32), **common
+        kind="cuda",
+        arch=f"sm_{props.major}{props.minor}",
+        warp_size=int(getattr(props, "warp_size", 32) or 32),
+        **common,
     )
 
 
@@ -334,9 +337,7 @@ def probe_uva(platform: Platform | None = None) -> bool:
             logger.info("UVA off: %s returned error %d", entry, err)
             return False
         if device_ptr.value != host.data_ptr():
-            logger.info(
-                "UVA off: device pointer %#x != host pointer %#x", device_ptr.value or 0, host.data_ptr()
-            )
+            logger.info("UVA off: device pointer %#x != host pointer %#x", device_ptr.value or 0, host.data_ptr())
             return False
         return True
     except Exception as exc:  # any failure means "no UVA"

@@ -181,7 +181,9 @@ def test_attention_tf32_precision_is_accepted():
     case = make_case([3, 1], [5, 9], 4, 2, 16, 16, torch.float32, seed=5)
     check_attention(case, False, precision="tf32", tol={"atol": 1e-5, "rtol": 1e-5})  # ignored by the interpreter
     with pytest.raises(ValueError, match="precision"):
-        paged_attention_triton(case[0], case[3], case[4].block_tables, case[4].seq_lens, case[4].query_start_loc, 1.0, "x")
+        paged_attention_triton(
+            case[0], case[3], case[4].block_tables, case[4].seq_lens, case[4].query_start_loc, 1.0, "x"
+        )
 
 
 def test_choose_num_splits_shape_only():

@@ -2,6 +2,9 @@
 
 from rlt_compile.kernels import ops  # noqa: F401  (registers torch.ops.rlt.*)
 from rlt_compile.kernels.metadata import AttentionMetadata, build_metadata
-from rlt_compile.kernels.triton_attention import kv_write_triton, paged_attention_triton  # registers rlt::attention_triton
+from rlt_compile.kernels.triton_attention import (
+    kv_write_triton,
+    paged_attention_triton,
+)  # registers rlt::attention_triton
 
 __all__ = ["AttentionMetadata", "build_metadata", "kv_write_triton", "paged_attention_triton"]

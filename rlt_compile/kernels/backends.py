@@ -11,8 +11,10 @@ import importlib.util
 
 import torch
 
-from rlt_compile.kernels import ops  # noqa: F401  (registers rlt::attention_torch)
-from rlt_compile.kernels import triton_attention  # noqa: F401  (registers rlt::attention_triton)
+from rlt_compile.kernels import (
+    ops,  # noqa: F401  (registers rlt::attention_torch)
+    triton_attention,  # noqa: F401  (registers rlt::attention_triton)
+)
 
 ATTENTION_BACKENDS: dict[str, torch._ops.OpOverload] = {
     "torch": torch.ops.rlt.attention_torch.default,

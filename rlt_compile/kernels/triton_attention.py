@@ -28,6 +28,9 @@ does not break CPU runs.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +45,7 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _PRECISIONS = ("ieee", "tf32")
 _MAX_SPLITS = 64
+_INTERPRETER_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +256,9 @@ def _split_reduce_kernel(
         other=0.0,
     )
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 _KERNELS: dict[tuple[str, bool], object] = {}
@@ -279,6 +285,36 @@ def _interpret(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+@contextlib.contextmanager
+def _interpreter_scope(interpret: bool):
+    """Let interpreted kernels call triton's own library functions (``tl.sum``, ``tl.max``,
+    ``tl.cdiv``...) even when triton was imported before ``TRITON_INTERPRET=1`` was set: those are
+    then ``JITFunction``s, which refuse to be called outside a compiled kernel. For the duration of
+    an interpreted launch they run through the interpreter like the kernel itself."""
+    from triton.runtime.jit import JITFunction
+
+    if not interpret or not isinstance(tl.sum, JITFunction):
+        yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = JITFunction.__call__
+    wrapped: dict[int, InterpretedFunction] = {}
+
+    def call(self, *args, **kwargs):
+        fn = wrapped.get(id(self))
+        if fn is None:
+            fn = wrapped[id(self)] = InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    with _INTERPRETER_LOCK:
+        JITFunction.__call__ = call
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -292,22 +328,24 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _kernel(_kv_write_kernel, _interpret(k))[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        num_kv_heads,
-        head_dim,
-        *k.stride(),
-        *v.stride(),
-        *k_cache.stride(),
-        BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
-    )
+    interpret = _interpret(k)
+    with _interpreter_scope(interpret):
+        _kernel(_kv_write_kernel, interpret)[(num_tokens,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_kv_heads,
+            head_dim,
+            *k.stride(),
+            *v.stride(),
+            *k_cache.stride(),
+            BLOCK_SIZE=kv_cache.shape[2],
+            BLOCK_H=triton.next_power_of_2(num_kv_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
+        )
 
 
 def _sm_count(device: torch.device) -> int:
@@ -427,53 +465,54 @@ def paged_attention_triton(
         part_out = out
         part_lse = out
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
-    _kernel(_paged_attention_kernel, interpret)[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        part_out,
-        part_lse,
-        float(scale) * _LOG2E,
-        num_seqs,
-        head_dim,
-        *q.stride(),
-        *out.stride(),
-        *k_cache.stride(),
-        block_tables.stride(0),
-        *(part_out.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-        *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
-        GROUP=group,
-        GROUP_P=group_p,
-        BLOCK_Q=cfg["BLOCK_Q"],
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        SEQ_P=max(2, triton.next_power_of_2(num_seqs)),
-        NUM_SPLITS=num_splits,
-        PRECISION=precision,
-        num_warps=cfg["warps"],
-        num_stages=cfg["stages"],
-    )
-    if num_splits > 1:
-        _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
-            part_out,
-            part_lse,
+    with _interpreter_scope(interpret):
+        _kernel(_paged_attention_kernel, interpret)[grid](
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
             query_start_loc,
             out,
+            part_out,
+            part_lse,
+            float(scale) * _LOG2E,
             num_seqs,
             head_dim,
-            *part_out.stride()[:3],
-            *part_lse.stride()[:2],
+            *q.stride(),
             *out.stride(),
-            NUM_SPLITS=num_splits,
+            *k_cache.stride(),
+            block_tables.stride(0),
+            *(part_out.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+            *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
+            GROUP=group,
+            GROUP_P=group_p,
+            BLOCK_Q=cfg["BLOCK_Q"],
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
             BLOCK_D=block_d,
-            num_warps=4 if block_d >= 128 else 2,
+            BLOCK_SIZE=block_size,
+            SEQ_P=max(2, triton.next_power_of_2(num_seqs)),
+            NUM_SPLITS=num_splits,
+            PRECISION=precision,
+            num_warps=cfg["warps"],
+            num_stages=cfg["stages"],
         )
+        if num_splits > 1:
+            _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
+                part_out,
+                part_lse,
+                query_start_loc,
+                out,
+                num_seqs,
+                head_dim,
+                *part_out.stride()[:3],
+                *part_lse.stride()[:2],
+                *out.stride(),
+                NUM_SPLITS=num_splits,
+                BLOCK_D=block_d,
+                num_warps=4 if block_d >= 128 else 2,
+            )
     return out
 
 
@@ -508,4 +547,3 @@ def _attention_triton_fake(
     q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, precision="ieee"
 ):
     return torch.empty_like(q)
-
