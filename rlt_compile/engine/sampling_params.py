@@ -49,7 +49,11 @@ class SamplingParams:
             "min_tokens",
             f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
         )
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(
             isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
@@ -62,7 +66,9 @@ class SamplingParams:
             "repetition_penalty",
             f"must be > 0, got {self.repetition_penalty!r}",
         )
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(
+            self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer or None, got {self.seed!r}"
+        )
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             "logprobs",

@@ -127,9 +127,11 @@ class Scheduler:
                 break  # whole prefills only; an empty batch takes it even over budget
             n = min(remaining, budget) if chunked else remaining
             if len(self.running) >= self.config.max_num_seqs or not self.bm.can_admit(seq, matched, n):
-                if self._preempt_for(seq, batch):
-                    continue  # budget, room and matches changed: retry the same sequence
-                break
+                refund = self._preempt_for(seq, batch)
+                if refund is None:
+                    break
+                budget += refund
+                continue  # room, budget and matches changed: retry the same sequence
             self.waiting.pop(i)
             self.bm.admit(seq, matched)
             self.bm.grow(seq, seq.num_computed_tokens + n)
@@ -139,14 +141,17 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Priority policy: preempt the least urgent running sequence if it is less urgent than ``seq``."""
+    def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
+        """Priority policy: preempt the least urgent running sequence if it is less urgent than ``seq``.
+
+        Returns the budget tokens given back (the victim may already be in this step's batch), or
+        None when nothing was preempted.
+        """
         if self.policy != "priority" or not self.running:
-            return False
+            return None
         victim = max(self.running, key=self._key)
         if victim.priority <= seq.priority:
-            return False
-        if victim in batch.seqs:
-            batch.remove(victim)
+            return None
+        refund = batch.remove(victim) if victim in batch.seqs else 0
         self._preempt(victim, batch)
-        return True
+        return refund

@@ -1,0 +1,156 @@
+"""LLM: the offline batch API over LLMEngine.
+
+    llm = LLM("path/to/Ouro-1.4B", dtype=torch.bfloat16, device="cuda", max_num_seqs=128)
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=16))
+
+``model_or_dir`` is a checkpoint folder (loaded with ``load_model``) or an already built model.
+Keyword options are ``EngineConfig`` fields (``max_num_seqs``, ``num_blocks``, ``compile``,
+``use_cuda_graphs``, ``model_options`` ...) plus ``dtype``, ``device`` and ``tokenizer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+
+import torch
+
+from rlt_compile.engine.config import EngineConfig
+from rlt_compile.engine.llm_engine import LLMEngine
+from rlt_compile.engine.outputs import RequestOutput
+from rlt_compile.engine.sampling_params import SamplingParams
+from rlt_compile.models.base import LoopedLM
+
+
+def _dtype(value) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).replace("torch.", "")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    dtype = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: unknown dtype {value!r}")
+    return dtype
+
+
+class LLM:
+    def __init__(self, model_or_dir: str | Path | LoopedLM, **options):
+        dtype = _dtype(options.pop("dtype", None))
+        device = options.pop("device", None)
+        tokenizer = options.pop("tokenizer", None)
+        config, unknown = EngineConfig.split_options(options)
+        if unknown:
+            raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}")
+        if isinstance(model_or_dir, str | Path):
+            from rlt_compile.models.loader import load_model
+
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            model = load_model(model_or_dir, dtype=dtype, device=device)
+        else:
+            model = model_or_dir
+            if dtype is not None or device is not None:
+                model = model.to(device=device, dtype=dtype)
+        self.model = model
+        self.engine = LLMEngine(model, config, tokenizer=tokenizer)
+        self.tokenizer = self.engine.tokenizer
+        self.last_run_seconds = 0.0
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        An invalid prompt raises ValueError before anything runs (requests already queued by
+        this call are withdrawn).
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams(), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), 0, "priority")
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(None, prompt, p, priority=prio))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of conversations."""
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    conv,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **(chat_template_kwargs or {}),
+                ),
+                add_special_tokens=False,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        generated = 0
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id not in wanted:
+                    continue
+                generated += sum(len(c.token_ids) for c in out.outputs)
+                if out.request_id in results:
+                    results[out.request_id].merge(out)
+                else:
+                    results[out.request_id] = out
+                if out.finished and bar is not None:
+                    bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        self.last_run_seconds = time.perf_counter() - start
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)
+
+
+def _per_prompt(value, count: int, default, name: str) -> list:
+    if value is None:
+        return [default] * count
+    if isinstance(value, list | tuple):
+        if len(value) != count:
+            raise ValueError(f"{name}: {len(value)} values for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,286 @@
+"""LLMEngine: requests in, streamed RequestOutput deltas out, one ``step()`` at a time.
+
+``add_request`` validates and tokenizes a request (bad input raises ``ValueError`` naming the field
+and leaves every other request untouched) and queues its ``n`` sequences; with prefix caching the
+``n - 1`` extra completions wait until the first has its prompt cached, then share those blocks.
+``step`` schedules a batch, runs the model, samples, applies the stop rules (stop token ids, the
+model's eos unless ``ignore_eos``, stop strings, ``max_tokens``, ``max_model_len``), frees finished
+sequences and returns the new output of every request that made progress.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from rlt_compile.engine.block_manager import BlockManager
+from rlt_compile.engine.config import EngineConfig
+from rlt_compile.engine.detokenizer import detokenize_step, find_stop_string
+from rlt_compile.engine.model_runner import ModelRunner, choose_num_blocks
+from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
+from rlt_compile.engine.sampler import Sampler
+from rlt_compile.engine.sampling_params import SamplingParams
+from rlt_compile.engine.scheduler import Scheduler
+from rlt_compile.engine.sequence import Sequence
+from rlt_compile.models.base import LoopedLM
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """``max_queue_size`` requests are already waiting."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens computed as prompt (or recompute) input
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+def collect_eos_ids(model: LoopedLM, tokenizer) -> set[int]:
+    """eos ids from the generation config, the model config and the tokenizer."""
+    found: set[int] = set()
+    sources = [
+        (getattr(model, "generation_config", None) or {}).get("eos_token_id"),
+        getattr(getattr(model, "config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ]
+    for value in sources:
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, list | tuple):
+            found.update(v for v in value if isinstance(v, int))
+    return found
+
+
+class LLMEngine:
+    def __init__(self, model: LoopedLM, config: EngineConfig | None = None, tokenizer=None, **options):
+        self.model = model
+        self.config = config if config is not None else EngineConfig(**options)
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        device = next(model.parameters()).device
+        context = model.max_context
+        max_len = min(self.config.max_model_len or context, context)
+        num_blocks = choose_num_blocks(model, self.config, max_len, device)
+        capacity = num_blocks * self.config.block_size
+        if capacity < max_len:
+            log.warning(
+                "max_model_len lowered from %d to %d: the KV pool holds %d blocks", max_len, capacity, num_blocks
+            )
+            max_len = capacity
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.config, num_blocks, max_len)
+        self.sampler = Sampler(device, self.config.seed)
+        self.eos_token_ids = collect_eos_ids(model, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        self._request_ids = itertools.count()
+        self._aborted: list[RequestOutput] = []
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Invalid input raises ValueError."""
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        params = params if params is not None else SamplingParams()
+        params.verify()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt) if prompt else []
+        elif isinstance(prompt, list | tuple):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        self._validate(token_ids, params)
+        waiting = self.scheduler.num_waiting
+        limit = self.config.max_queue_size
+        if limit is not None and waiting + params.n > limit:
+            raise QueueFullError(f"max_queue_size: {waiting} sequences already waiting (limit {limit})")
+        request = Request(request_id, text, token_ids, params)
+        arrival = next(self._arrivals)
+        share = self.config.enable_prefix_caching and params.n > 1
+        for i in range(params.n):
+            parent = request.seqs[0] if share and i > 0 else None
+            seq = Sequence(request_id, i, token_ids, params, priority=priority, arrival=arrival, parent=parent)
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens is longer than the model context (max_model_len={self.max_model_len})"
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes with the next ``step``."""
+        request = self.requests.pop(str(request_id), None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self._aborted.append(self._output(request))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += len(batch.preempted)
+        if not batch.seqs:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("the scheduler cannot admit any waiting sequence (KV pool too small?)")
+            return outputs
+        logits, sample_seqs = self.runner.execute(batch)
+        self.stats.steps += 1
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if n == 1 and seq.num_computed_tokens == len(seq) - 1 and seq.num_output_tokens > 0:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += n
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        touched: dict[str, Request] = {}
+        if sample_seqs:
+            sampled = self.sampler(logits, sample_seqs)
+            for seq, token, logprobs in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
+                self._append(seq, token, logprobs)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        params = seq.params
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        produced = seq.num_output_tokens
+        may_stop = produced >= params.min_tokens
+        if may_stop and token in (params.stop_token_ids or ()):
+            self._finish(seq, "stop", token)
+            return
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, "stop", None)
+            return
+        if self.tokenizer is not None:
+            new_text = detokenize_step(self.tokenizer, seq)
+            if may_stop and params.stop_strings and new_text:
+                stop = find_stop_string(seq, len(new_text))
+                if stop is not None:
+                    self._finish(seq, "stop", stop)
+                    return
+        if produced >= params.max_tokens or len(seq) >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's news since its last output (tokens, text, logprobs per completion)."""
+        completions = []
+        for seq in request.seqs:
+            done = seq.is_finished
+            if seq.sent_tokens == seq.num_output_tokens and not done:
+                continue
+            hold = 0 if done or not seq.params.stop_strings else max(map(len, seq.params.stop_strings)) - 1
+            text_end = max(seq.sent_text, len(seq.text) - hold)
+            logprobs = seq.logprobs[seq.sent_logprobs :] if seq.params.logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text[seq.sent_text : text_end],
+                    token_ids=seq.output_token_ids[seq.sent_tokens :],
+                    logprobs=logprobs,
+                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            seq.sent_tokens, seq.sent_text, seq.sent_logprobs = seq.num_output_tokens, text_end, len(seq.logprobs)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+        )
+
+    # -- conveniences --------------------------------------------------------------------------
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until every request finishes; the merged output of each request by id."""
+        merged: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in merged:
+                    merged[out.request_id].merge(out)
+                else:
+                    merged[out.request_id] = out
+        return merged
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device

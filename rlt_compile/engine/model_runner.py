@@ -1,0 +1,181 @@
+"""ModelRunner: owns the KV planes and the step function, and runs one scheduled batch.
+
+It flattens the batch (varlen layout, see ``kernels/metadata.py``): each sequence contributes the
+``num_tokens`` tokens after its ``num_computed_tokens``, and a logits row only when those finish
+its uncomputed tokens (a partial prefill chunk produces none). The step function is the model, or
+``rlt_compile.compiler.compile_model(model, ...)`` with ``compile=True``; with
+``use_cuda_graphs=True`` decode-only batches replay ``rlt_compile.graphs.CudaGraphRunner`` graphs.
+Both modules are optional: when one is missing the runner warns and falls back to the plain path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rlt_compile.engine.config import EngineConfig
+from rlt_compile.engine.scheduler import ScheduledBatch
+from rlt_compile.engine.sequence import Sequence
+from rlt_compile.kernels.metadata import AttentionMetadata, build_metadata
+from rlt_compile.models.base import LoopedLM
+
+log = logging.getLogger(__name__)
+
+
+def _optional(module: str, name: str):
+    """``module.name`` if the module exists, else None (other parts of the package are optional)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return None
+    except AttributeError:
+        return None
+
+
+def kv_steps(model: LoopedLM, model_options: dict) -> int:
+    """Loop steps the KV cache must hold slots for (``num_steps`` option, else the model's default)."""
+    return int(model_options.get("num_steps") or model.default_steps)
+
+
+def kv_bytes_per_block(model: LoopedLM, block_size: int, steps: int, dtype: torch.dtype) -> int:
+    layout = model.kv_layout(steps)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return layout.num_slots * 2 * block_size * layout.num_kv_heads * layout.head_dim * itemsize
+
+
+def _available_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def choose_num_blocks(model: LoopedLM, config: EngineConfig, max_model_len: int, device: torch.device) -> int:
+    """Explicit ``num_blocks``, else a memory budget, capped at what ``max_num_seqs`` full sequences need."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    dtype = next(model.parameters()).dtype
+    per_block = kv_bytes_per_block(model, config.block_size, kv_steps(model, config.model_options), dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = min(int(_available_host_bytes() * config.gpu_memory_utilization), config.cpu_kv_cache_bytes)
+    enough = config.max_num_seqs * -(-max_model_len // config.block_size)
+    blocks = min(budget // per_block, enough)
+    if blocks < 1:
+        raise ValueError(
+            f"num_blocks: no room for a single KV block ({per_block} bytes each, budget {budget} bytes); "
+            "lower max_model_len / max_num_seqs or raise gpu_memory_utilization"
+        )
+    return blocks
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_seqs: list[Sequence]  # one per logits row
+
+
+class ModelRunner:
+    def __init__(self, model: LoopedLM, config: EngineConfig, num_blocks: int, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model_options = dict(config.model_options)
+        self.kv_caches = model.allocate_kv_cache(
+            num_blocks, config.block_size, max_steps=kv_steps(model, self.model_options)
+        )
+        self.step_fn = self._build_step_fn()
+        self.graph_runner = self._build_graph_runner() if config.use_cuda_graphs else None
+
+    def _build_step_fn(self):
+        if not self.config.compile:
+            return self.model
+        compile_model = _optional("rlt_compile.compiler", "compile_model")
+        if compile_model is None:
+            log.warning("compile=True but rlt_compile.compiler.compile_model is not available; running eager")
+            return self.model
+        return compile_model(self.model, **self.config.compile_options)
+
+    def _build_graph_runner(self):
+        if self.device.type != "cuda":
+            log.warning(
+                "use_cuda_graphs=True needs a CUDA device (model is on %s); running without graphs", self.device
+            )
+            return None
+        runner_cls = _optional("rlt_compile.graphs", "CudaGraphRunner")
+        if runner_cls is None:
+            log.warning("use_cuda_graphs=True but rlt_compile.graphs.CudaGraphRunner is not available")
+            return None
+        runner = runner_cls(
+            self.step_fn,
+            self.kv_caches,
+            self.config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            buckets=self.config.cuda_graph_buckets,
+            step_options=self.model_options,
+        )
+        runner.capture()
+        return runner
+
+    # -- one step ------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        context_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            context_lens.append(start)
+            if start + n == len(seq):
+                logits_indices.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        attn = build_metadata(
+            batch.num_tokens,
+            context_lens,
+            [seq.block_table for seq in batch.seqs],
+            self.block_size,
+        )
+        dev = self.device
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            attn=attn.to(dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True),
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.no_grad()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the batch; returns (fp32 logits [len(sample_seqs), V], sample_seqs)."""
+        inputs = self.prepare(batch)
+        n = len(batch)
+        if self.graph_runner is not None and batch.is_decode_only and self.graph_runner.can_run(batch.total_tokens, n):
+            logits = self.graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
+        else:
+            logits = self.step_fn(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.attn,
+                inputs.logits_indices,
+                **self.model_options,
+            )
+        if isinstance(logits, tuple):
+            logits = logits[0]
+        return logits[: len(inputs.sample_seqs)], inputs.sample_seqs

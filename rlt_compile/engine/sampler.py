@@ -1,0 +1,120 @@
+"""Sampler: next tokens for a batch of logits rows, each row with its own SamplingParams.
+
+Order of transforms: repetition penalty (HF rule: positive logits divided, negative multiplied,
+over every token of prompt and output), then greedy rows take the argmax; random rows are divided
+by their temperature, filtered by top-k, top-p and min-p, and sampled with the exponential race
+``argmax(p / q), q ~ Exp(1)``. A seeded request draws its noise from its own ``torch.Generator``
+(one draw of vocabulary size per token), so its tokens do not depend on what else is in the batch;
+unseeded rows share the engine's generator. Logprobs, when asked for, are the model's
+log-softmax (before penalties and temperature): the sampled token and the top ``logprobs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlt_compile.engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: {token id: logprob}, sampled token included
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str, seed: int = 0):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def _seq_generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index)
+        return seq.generator
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        logits = logits.float()
+        params = [s.params for s in seqs]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        for row, seq in enumerate(seqs):
+            if seq.params.repetition_penalty != 1.0:
+                logits[row] = apply_repetition_penalty(logits[row], seq.token_ids, seq.params.repetition_penalty)
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params, want_logprobs))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        device = logits.device
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        scaled = logits / temps[:, None]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not greedy[row]:
+                noise[row].exponential_(generator=self._seq_generator(seq))
+        sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=device)
+            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def _logprobs(raw, tokens, params, wanted) -> list[dict[int, float] | None]:
+        if raw is None:
+            return [None] * len(tokens)
+        rows = [i for i, w in enumerate(wanted) if w]
+        k = max(params[i].logprobs for i in rows)
+        sub = raw[rows]
+        chosen = sub.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None]).squeeze(1).tolist()
+        top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        out: list[dict[int, float] | None] = [None] * len(tokens)
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            entry = {tokens[i]: chosen[j]}
+            for tid, val in zip(top_ids[j][:n], top_vals[j][:n]):
+                entry.setdefault(tid, val)
+            out[i] = entry
+        return out
+
+
+def apply_repetition_penalty(row: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
+    ids = torch.tensor(sorted(set(token_ids)), device=row.device, dtype=torch.long)
+    seen = row.index_select(0, ids)
+    row = row.clone()
+    row.index_copy_(0, ids, torch.where(seen > 0, seen / penalty, seen * penalty))
+    return row
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set logits outside each row's top-k / nucleus to -inf (0 in ``top_k`` and 1.0 in ``top_p``: off)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    drop = before >= p
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
