@@ -1,29 +1,28 @@
 """Triton paged-attention kernels against the torch reference.
 
-CPU: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16 only; bf16 is wrong
-there). GPU (``-m gpu``): the same parity in bf16/fp32 with model-sized shapes, plus CUDA-graph
-capture with metadata changed between replays.
+CPU: the kernels run in Triton's interpreter (fp32/fp16 only; bf16 is wrong there). The launchers
+pick the interpreter for CPU tensors by themselves, so this works whether or not triton was imported
+before ``TRITON_INTERPRET=1`` was set; an autouse fixture sets it per test (CPU only) rather than for
+the whole process, so other test modules keep the plain CPU backend order.
+GPU (``-m gpu``): the same parity in bf16/fp32 with model-sized shapes, plus CUDA-graph capture
+with metadata changed between replays.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / rlt_compile are imported
+import pytest
+import torch
 
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from rlt_compile.kernels import backends, triton_attention  # noqa: E402
-from rlt_compile.kernels.metadata import build_metadata  # noqa: E402
-from rlt_compile.kernels.reference import (  # noqa: E402
+from rlt_compile.kernels import backends, triton_attention
+from rlt_compile.kernels.metadata import build_metadata
+from rlt_compile.kernels.reference import (
     attention_reference,
     kv_write_reference,
     paged_attention_reference,
 )
-from rlt_compile.kernels.triton_attention import (  # noqa: E402
+from rlt_compile.kernels.triton_attention import (
     choose_num_splits,
     kv_write_triton,
     paged_attention_triton,
@@ -31,6 +30,13 @@ from rlt_compile.kernels.triton_attention import (  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA/ROCm GPU (run with -m gpu on the device)")
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 TOL = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -175,6 +181,16 @@ def test_attention_single_token_and_padding_only_seqs():
     case = make_case([1], [0], 2, 1, 16, 16, torch.float32, pad_tokens=2, pad_seqs=3, seed=4)
     check_attention(case, None)
     check_attention(case, 8)
+
+
+@pytest.mark.parametrize("split_k", [False, 4])
+def test_attention_writes_every_output_row(monkeypatch, split_k):
+    """The output is allocated uninitialised: padding token rows must be written (zeros) by the
+    kernels themselves, with no memset launch."""
+    case = make_case([1, 3], [9, 20], 4, 2, 16, 16, torch.float32, pad_tokens=5, pad_seqs=2, seed=10)
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    check_attention(case, split_k)
 
 
 def test_attention_tf32_precision_is_accepted():

@@ -29,6 +29,7 @@ does not break CPU runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -103,6 +104,7 @@ def _paged_attention_kernel(
     part_lse_ptr,
     scale_log2,
     num_seqs,
+    num_tokens,
     head_dim,
     stride_qt,
     stride_qh,
@@ -136,18 +138,22 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     # Which sequence owns this program: the last s with query_start_loc[s] // BLOCK_Q + s <= pid.
+    # s == num_seqs is the virtual "padding sequence" of the token rows past the last real one: it
+    # has no context, so its rows come out as zeros through the normal path.
     offs_s = tl.arange(0, SEQ_P)
-    starts = tl.load(query_start_ptr + offs_s, mask=offs_s < num_seqs, other=1 << 28)
+    starts = tl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
     first_tile = starts // BLOCK_Q + offs_s
     seq = tl.sum((first_tile <= pid).to(tl.int32), axis=0) - 1
     if seq < 0:
         return
+    is_real = seq < num_seqs
     q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_end = tl.where(is_real, tl.load(query_start_ptr + tl.minimum(seq + 1, num_seqs)), num_tokens)
+    q_len = q_end - q_start
     q_off = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query (within the sequence) of the tile
     if q_off >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.where(is_real, tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1)), 0)
     ctx_len = seq_len - q_len  # position of the sequence's first query
 
     # Rows are (query token, head in group) pairs: row r -> token r // GROUP_P, head r % GROUP_P.
@@ -350,8 +356,13 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
 
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 64
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(
@@ -424,9 +435,9 @@ def paged_attention_triton(
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     num_seqs = seq_lens.shape[0]
-    out = torch.zeros_like(q)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return torch.zeros_like(q)
+    out = torch.empty_like(q)  # every row is written, padding rows with zeros (no memset launch)
     if kv_cache.dtype != torch.float32:
         precision = "ieee"  # input_precision only matters for fp32 dots
     interpret = _interpret(q)
@@ -464,7 +475,8 @@ def paged_attention_triton(
     else:  # unused placeholders
         part_out = out
         part_lse = out
-    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
+    # Upper bound on the query tiles of the sequences plus the padding rows (shapes only).
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs + 1, num_kv_heads, num_splits)
     with _interpreter_scope(interpret):
         _kernel(_paged_attention_kernel, interpret)[grid](
             q,
@@ -478,6 +490,7 @@ def paged_attention_triton(
             part_lse,
             float(scale) * _LOG2E,
             num_seqs,
+            num_tokens,
             head_dim,
             *q.stride(),
             *out.stride(),
@@ -492,7 +505,7 @@ def paged_attention_triton(
             BLOCK_N=cfg["BLOCK_N"],
             BLOCK_D=block_d,
             BLOCK_SIZE=block_size,
-            SEQ_P=max(2, triton.next_power_of_2(num_seqs)),
+            SEQ_P=triton.next_power_of_2(num_seqs + 1),
             NUM_SPLITS=num_splits,
             PRECISION=precision,
             num_warps=cfg["warps"],
