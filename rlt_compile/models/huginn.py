@@ -18,7 +18,10 @@ from torch import nn
 from rlt_compile.kernels.metadata import AttentionMetadata
 from rlt_compile.models.base import KVLayout, LoopedLM
 from rlt_compile.models.config import config_from_dict
+from rlt_compile.models.depth import check_kv_layout, fill_skipped_kv, is_decode_only
 from rlt_compile.models.layers import FusedQKVAttention, FusedSwiGLU, RMSNorm, rope_cos_sin, rope_inv_freq
+
+EXIT_CRITERIA = ("latent-diff", "kl")
 
 
 @dataclass(frozen=True)
@@ -178,21 +181,79 @@ class HuginnForCausalLM(LoopedLM):
         attn: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
         *,
-        num_steps: int | None = None,
+        num_steps: int | torch.Tensor | None = None,
         init_scale: float = 1.0,
         input_states: torch.Tensor | None = None,
+        exit_criterion: str | None = None,
+        exit_threshold: float | None = None,
+        min_steps: int = 1,
+        kv_layout: str = "last-exited",
         return_details: bool = False,
     ):
+        """``num_steps`` is the recurrence count r: an int, or one value per token (per-request r).
+
+        With ``exit_criterion`` ("latent-diff": relative change of the state; "kl": KL divergence
+        between successive output distributions) a decode token stops recurring once the criterion
+        falls below ``exit_threshold`` (after at least ``min_steps``); ``kv_layout`` says what its
+        skipped core slots hold (see ``models/depth.py``).
+        """
         c = self.config
-        steps = num_steps or c.mean_recurrence
+        per_token = isinstance(num_steps, torch.Tensor)
+        steps = int(num_steps.max()) if per_token else (num_steps or c.mean_recurrence)
         self.check_steps(steps, kv_caches)
+        check_kv_layout(kv_layout)
+        if exit_criterion is not None:
+            if exit_criterion not in EXIT_CRITERIA:
+                raise ValueError(f"exit_criterion: must be one of {EXIT_CRITERIA}, got {exit_criterion!r}")
+            if exit_threshold is None or exit_threshold <= 0:
+                raise ValueError(f"exit_threshold: must be > 0 with an exit criterion, got {exit_threshold!r}")
+            if not is_decode_only(input_ids, attn.seq_lens):
+                raise ValueError("exit_criterion needs a decode-only batch (prompt tokens run every recurrence)")
         p, cd, core = c.n_layers_in_prelude, c.n_layers_in_coda, c.n_layers_in_recurrent_block
         e, cos, sin = self.prelude(input_ids, positions, kv_caches[:p], attn)
         s = self.initial_state(e, init_scale) if input_states is None else input_states.to(e.dtype)
         base = p + cd
+        coda_caches = kv_caches[p : p + cd]
+
+        def core_caches(i: int) -> list[torch.Tensor]:
+            return kv_caches[base + i * core : base + (i + 1) * core]
+
+        if not per_token and exit_criterion is None:  # the plain path: every token runs r steps
+            for i in range(steps):
+                s = self.loop_step(s, e, cos, sin, core_caches(i), attn)
+            logits, latent = self.coda(s, cos, sin, coda_caches, attn, logits_indices)
+            return (logits, {"latent_states": latent}) if return_details else logits
+
+        rows = input_ids.shape[0]
+        row_steps = num_steps.to(input_ids.device).reshape(rows) if per_token else torch.full_like(input_ids, steps)
+        exit_steps = row_steps - 1
+        active = torch.ones_like(input_ids, dtype=torch.bool)
+        output = s  # the state each row's coda reads (its state at its exit step)
+        prev_logprobs = None
         for i in range(steps):
-            s = self.loop_step(s, e, cos, sin, kv_caches[base + i * core : base + (i + 1) * core], attn)
-        logits, latent = self.coda(s, cos, sin, kv_caches[p : p + cd], attn, logits_indices)
+            new = self.loop_step(s, e, cos, sin, core_caches(i), attn)
+            done = active & (row_steps == i + 1)
+            if exit_criterion is not None and i + 1 >= min_steps:
+                if exit_criterion == "latent-diff":
+                    change = (new - s).float().norm(dim=-1) / new.float().norm(dim=-1).clamp_min(1e-30)
+                else:
+                    logprobs = torch.log_softmax(self.coda(new, cos, sin, coda_caches, attn, None)[0], dim=-1)
+                    if prev_logprobs is None:
+                        prev_logprobs = torch.full_like(logprobs, -math.log(logprobs.shape[-1]))
+                    change = (prev_logprobs.exp() * (prev_logprobs - logprobs)).sum(-1)
+                    prev_logprobs = logprobs
+                done = done | (active & (change < exit_threshold))
+            output = torch.where(active[:, None], new, output)
+            exit_steps = torch.where(done, torch.full_like(exit_steps, i), exit_steps)
+            # "delayed": exited rows keep recurring only to write their K/V; "last-exited": they stop.
+            s = new if kv_layout == "delayed" else torch.where(active[:, None], new, s)
+            active = active & ~done
+            if not bool(active.any()):
+                break
+        if kv_layout == "last-exited" and exit_criterion is not None:
+            slot_of = lambda step, layer: base + step * core + layer  # noqa: E731
+            fill_skipped_kv(kv_caches, slot_of, core, exit_steps, i + 1, steps, attn.slot_mapping)
+        logits, latent = self.coda(output, cos, sin, coda_caches, attn, logits_indices)
         if not return_details:
             return logits
-        return logits, {"latent_states": latent}
+        return logits, {"latent_states": latent, "exit_steps": exit_steps}

@@ -16,6 +16,7 @@ from torch import nn
 from rlt_compile.kernels.metadata import AttentionMetadata
 from rlt_compile.models.base import KVLayout, LoopedLM
 from rlt_compile.models.config import config_from_dict, is_null
+from rlt_compile.models.depth import check_kv_layout, fill_skipped_kv, is_decode_only, per_row
 from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
 
 
@@ -86,13 +87,19 @@ class OuroModel(nn.Module):
         self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
 
 
-def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
-    """Per-step exit probabilities [steps, N] from gate logits [steps, N] (last step takes the rest)."""
-    pdf, remaining = [], torch.ones_like(gate_logits[0])
+def exit_distribution(gate_logits: torch.Tensor, total_steps: int | None = None) -> torch.Tensor:
+    """Per-step exit probabilities [steps, N] from gate logits [steps, N].
+
+    Step ``t`` exits with ``sigmoid(gate_t)`` times the probability of surviving so far; the last of
+    ``total_steps`` (default: all given) takes the remainder. Passing the gates of the first few
+    steps with ``total_steps`` gives exactly the prefix of the full distribution.
+    """
     steps = gate_logits.shape[0]
+    total_steps = total_steps or steps
+    pdf, remaining = [], torch.ones_like(gate_logits[0])
     for t in range(steps):
         lam = torch.sigmoid(gate_logits[t])
-        if t < steps - 1:
+        if t < total_steps - 1:
             pdf.append(lam * remaining)
             remaining = remaining * (1.0 - lam)
         else:
@@ -100,11 +107,24 @@ def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     return torch.stack(pdf)
 
 
-def threshold_exit_steps(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
-    """First step whose cumulative exit probability reaches ``threshold`` (else the last), per row."""
+def threshold_exit_steps(pdf: torch.Tensor, threshold) -> torch.Tensor:
+    """First step whose cumulative exit probability reaches ``threshold`` (else the last), per row.
+
+    ``threshold`` is a float or a per-row tensor; it is compared in the pdf's dtype, as the
+    reference compares its (model-dtype) cumulative sum with a Python float.
+    """
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.to(pdf.dtype)
     reached = torch.cumsum(pdf, dim=0) >= threshold
     first = torch.argmax(reached.float(), dim=0)
     return torch.where(reached.any(dim=0), first, torch.full_like(first, pdf.shape[0] - 1))
+
+
+def choose_exit_steps(gate_logits: torch.Tensor, fixed: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """The reference's rule per row: a valid fixed step wins, else the threshold rule (inf = never)."""
+    steps = gate_logits.shape[0]
+    by_threshold = threshold_exit_steps(exit_distribution(gate_logits), threshold)
+    return torch.where((fixed >= 0) & (fixed < steps), fixed, by_threshold)
 
 
 class OuroForCausalLM(LoopedLM):
@@ -154,18 +174,23 @@ class OuroForCausalLM(LoopedLM):
             h = layer(h, cos, sin, kv_cache, attn)
         return self.model.norm(h)
 
-    def head(self, hs: torch.Tensor, exit_at_step: int | None, exit_threshold: float | None):
-        """hs: [steps, N, hidden] -> (fp32 logits [N, V], gate logits [steps, N], exit step [N])."""
-        steps = hs.shape[0]
+    def head(self, hs: torch.Tensor, exit_fixed: torch.Tensor, exit_threshold: torch.Tensor):
+        """hs [steps, N, hidden], per-row fixed exit step (-1: none) and threshold (inf: none)
+        -> (fp32 logits [N, V], gate logits [steps, N], chosen exit step [N])."""
         gate_logits = self.model.early_exit_gate(hs).squeeze(-1)
-        if exit_at_step is not None and 0 <= exit_at_step < steps:
-            exit_steps = torch.full_like(gate_logits[0], exit_at_step, dtype=torch.long)
-        elif exit_threshold is not None:
-            exit_steps = threshold_exit_steps(exit_distribution(gate_logits), exit_threshold)
-        else:
-            exit_steps = torch.full_like(gate_logits[0], steps - 1, dtype=torch.long)
+        exit_steps = choose_exit_steps(gate_logits, exit_fixed, exit_threshold)
         chosen = hs.gather(0, exit_steps[None, :, None].expand(1, -1, hs.shape[-1])).squeeze(0)
         return self.lm_head(chosen).float(), gate_logits, exit_steps
+
+    def exit_policy(self, n: int, device, exit_at_step, exit_threshold) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row (fixed step, threshold) tensors; None falls back to the config like the reference."""
+        if exit_at_step is None:
+            exit_at_step = self.config.early_exit_step
+        if exit_threshold is None:
+            exit_threshold = self.config.early_exit_threshold
+        fixed = per_row(exit_at_step, n, torch.long, device, fill=-1)
+        threshold = per_row(exit_threshold, n, torch.float32, device, fill=float("inf"))
+        return fixed, threshold
 
     # -- orchestration -------------------------------------------------------------------------
     def forward(
@@ -177,16 +202,27 @@ class OuroForCausalLM(LoopedLM):
         logits_indices: torch.Tensor | None = None,
         *,
         num_steps: int | None = None,
-        exit_at_step: int | None = None,
-        exit_threshold: float | None = None,
+        exit_at_step: int | torch.Tensor | None = None,
+        exit_threshold: float | torch.Tensor | None = None,
+        kv_layout: str = "delayed",
         return_details: bool = False,
     ):
+        """``exit_at_step`` / ``exit_threshold`` may be per-row tensors (one value per logits row).
+
+        ``kv_layout="delayed"`` computes every step (the reference's behaviour); ``"last-exited"``
+        stops each decode row at its exit step and copies that step's K/V into the later slots.
+        """
         steps = num_steps or self.config.total_ut_steps
         self.check_steps(steps, kv_caches)
-        if exit_at_step is None:
-            exit_at_step = self.config.early_exit_step
-        if exit_threshold is None:
-            exit_threshold = self.config.early_exit_threshold
+        check_kv_layout(kv_layout)
+        n_rows = input_ids.shape[0] if logits_indices is None else logits_indices.shape[0]
+        fixed, threshold = self.exit_policy(n_rows, input_ids.device, exit_at_step, exit_threshold)
+        if kv_layout == "last-exited":
+            if not is_decode_only(input_ids, attn.seq_lens):
+                raise ValueError("kv_layout='last-exited' needs a decode-only batch (one token per sequence)")
+            return self._forward_last_exited(
+                input_ids, positions, kv_caches, attn, steps, fixed, threshold, return_details
+            )
         n = self.config.num_hidden_layers
         h, cos, sin = self.embed(input_ids, positions)
         per_step = []
@@ -194,13 +230,43 @@ class OuroForCausalLM(LoopedLM):
             h = self.loop_step(h, cos, sin, kv_caches[t * n : (t + 1) * n], attn)
             per_step.append(self.select_rows(h, logits_indices))
         hs = torch.stack(per_step)
-        logits, gate_logits, exit_steps = self.head(hs, exit_at_step, exit_threshold)
+        logits, gate_logits, exit_steps = self.head(hs, fixed, threshold)
         if not return_details:
             return logits
-        return logits, {
+        return logits, self._details(hs, gate_logits, exit_steps, steps)
+
+    def _details(self, hs, gate_logits, exit_steps, total_steps) -> dict:
+        return {
             "hidden_per_step": hs,
             "logits_per_step": self.lm_head(hs).float(),
             "gate_logits": gate_logits,
-            "exit_pdf": exit_distribution(gate_logits),
+            "exit_pdf": exit_distribution(gate_logits, total_steps),
             "exit_steps": exit_steps,
         }
+
+    def _forward_last_exited(self, input_ids, positions, kv_caches, attn, steps, fixed, threshold, return_details):
+        """Decode rows stop at their exit step; the loop ends once every row has exited."""
+        n = self.config.num_hidden_layers
+        h, cos, sin = self.embed(input_ids, positions)
+        per_step, gates = [], []
+        exit_steps = torch.full_like(fixed, steps - 1)
+        active = torch.ones_like(fixed, dtype=torch.bool)
+        for t in range(steps):
+            h = self.loop_step(h, cos, sin, kv_caches[t * n : (t + 1) * n], attn)
+            per_step.append(h)
+            gates.append(self.model.early_exit_gate(h).squeeze(-1))
+            pdf = exit_distribution(torch.stack(gates), steps)
+            hit = torch.cumsum(pdf, dim=0)[-1] >= threshold.to(pdf.dtype) if t < steps - 1 else torch.ones_like(active)
+            exits = active & torch.where((fixed >= 0) & (fixed < steps), fixed == t, hit)
+            exit_steps = torch.where(exits, torch.full_like(exit_steps, t), exit_steps)
+            active = active & ~exits
+            if not bool(active.any()):
+                break
+        hs = torch.stack(per_step)
+        slot_of = lambda step, layer: step * n + layer  # noqa: E731
+        fill_skipped_kv(kv_caches, slot_of, n, exit_steps, len(per_step), steps, attn.slot_mapping)
+        chosen = hs.gather(0, exit_steps[None, :, None].expand(1, -1, hs.shape[-1])).squeeze(0)
+        logits = self.lm_head(chosen).float()
+        if not return_details:
+            return logits
+        return logits, self._details(hs, torch.stack(gates), exit_steps, steps)

@@ -1,0 +1,74 @@
+"""Depth-aware execution helpers: per-row exit decisions and KV layouts for skipped loop steps.
+
+A token that exits at loop step ``k`` of ``T`` has no K/V of its own for steps ``k+1 .. T-1``.
+Two layouts say what later tokens read there (``kv_layout`` option of the models):
+
+* ``"delayed"``: the token still runs the skipped steps, only to write their K/V; its output is
+  read at step ``k``. Later tokens see exactly the full model's cache. Saves no compute.
+* ``"last-exited"``: the token stops at ``k``; its step-``k`` K/V is copied into the slots of the
+  later steps (Huginn's "latest" cache lookup). Saves the compute of the skipped steps; later
+  tokens see a cache that differs from the full model's, so outputs may change.
+
+Early exit applies to decode rows (one query token per sequence); prompt tokens run full depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+KV_LAYOUTS = ("delayed", "last-exited")
+
+
+def check_kv_layout(kv_layout: str) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def per_row(value, n: int, dtype: torch.dtype, device, fill) -> torch.Tensor:
+    """A per-row tensor from None (-> ``fill``), a scalar, or a tensor of ``n`` values."""
+    if value is None:
+        value = fill
+    if isinstance(value, torch.Tensor):
+        if value.numel() != n:
+            raise ValueError(f"per-row option has {value.numel()} values for {n} rows")
+        return value.to(device=device, dtype=dtype).reshape(n)
+    return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def copy_kv_rows(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copy the K/V entries at flat cache ``slots`` from plane ``src`` into plane ``dst``."""
+    flat_src = src.view(2, -1, *src.shape[3:])
+    flat_dst = dst.view(2, -1, *dst.shape[3:])
+    flat_dst.index_copy_(1, slots, flat_src.index_select(1, slots))
+
+
+def fill_skipped_kv(
+    kv_caches: list[torch.Tensor],
+    slot_of: Callable[[int, int], int],
+    layers: int,
+    exit_steps: torch.Tensor,
+    steps_run: int,
+    total_steps: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """ "last-exited": for each row that exited at ``k``, copy step-``k`` K/V into steps ``k+1..``.
+
+    ``slot_of(step, layer)`` is the model's KV slot index; ``steps_run`` steps were computed, so
+    slots of steps at or beyond it hold nothing for these rows and are filled too.
+    """
+    for k in exit_steps.unique().tolist():
+        rows = (exit_steps == k) & (slot_mapping >= 0)
+        if k >= total_steps - 1 or not bool(rows.any()):
+            continue
+        slots = slot_mapping[rows]
+        for t in range(k + 1, total_steps):
+            for layer in range(layers):
+                copy_kv_rows(kv_caches[slot_of(k, layer)], kv_caches[slot_of(t, layer)], slots)
+    del steps_run  # every later step is overwritten, whether or not it ran
+
+
+def is_decode_only(input_ids: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """Shape-only test: one token per sequence."""
+    return input_ids.shape[0] == seq_lens.shape[0]
