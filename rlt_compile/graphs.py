@@ -1,0 +1,263 @@
+"""CUDA/HIP graphs for decode-only batches, one per padded batch bucket (design contract 3).
+
+``CudaGraphRunner(step_fn, kv_caches, max_num_seqs, max_blocks_per_seq)`` captures ``step_fn``
+(usually a ``CompiledModel``; any callable with the models' forward signature works) for batches
+where every sequence brings exactly one token (``num_tokens == num_seqs``). The whole forward -
+embedding, *all* loop steps, head - is one graph per bucket, so a replay costs one launch however
+many loop steps the model runs.
+
+* Buckets: padded batch sizes, by default the powers of two up to ``max_num_seqs`` (plus
+  ``max_num_seqs`` itself); any sorted list can be given. A batch of ``n`` sequences runs in the
+  smallest bucket ``>= n``; above the largest bucket the runner falls back to calling ``step_fn``.
+* Static buffers, allocated once at the largest bucket and sliced per bucket: ``input_ids``,
+  ``positions``, ``slot_mapping``, ``block_tables`` [B, max_blocks_per_seq], ``seq_lens``,
+  ``query_start_loc`` [B + 1] and ``logits_indices``; each bucket's output logits live in the
+  graphs' shared memory pool.
+* Padding rows (``n .. B-1``): token 0 at position 0, ``slot_mapping = -1`` (the KV write skips
+  them), ``seq_lens = 0``, query length 0 (``query_start_loc`` stays at ``n``), block table zeros,
+  logits row = the padding row itself. The attention kernels never read or write the KV cache for
+  them, and every other op is row-wise, so real rows are bit-for-bit what they would be unpadded.
+* Capture order: largest bucket first, all into one memory pool (``torch.cuda.graph_pool_handle``),
+  each after warm-up runs on a side stream (Triton autotuning and lazy initialisation must not
+  happen inside a capture). Capture everything before serving.
+* ``torch.cuda.CUDAGraph`` is also the HIP-graph API on ROCm builds of torch
+  (``Platform.graph_api``); nothing here is CUDA-specific.
+* ``use_graphs=False`` keeps the static-buffer and padding logic but calls ``step_fn`` instead of
+  replaying (what tests use on the CPU; also a debugging aid).
+
+The returned logits are a copy (``clone_outputs=True``): a later replay overwrites the graph's own
+output buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rlt_compile.kernels.metadata import AttentionMetadata
+
+log = logging.getLogger("rlt_compile.graphs")
+
+
+def default_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_num_seqs`` (which is always included)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    out.append(max_num_seqs)
+    return out
+
+
+def normalize_buckets(buckets: Sequence[int] | None, max_num_seqs: int) -> list[int]:
+    if buckets is None:
+        return default_buckets(max_num_seqs)
+    out = sorted({int(b) for b in buckets})
+    if not out or out[0] < 1:
+        raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
+    return out
+
+
+def pick_bucket(buckets: Sequence[int], n: int) -> int | None:
+    """The smallest bucket holding ``n`` rows (None: larger than every bucket)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def padded_decode_metadata(
+    attn: AttentionMetadata, bucket: int, max_blocks_per_seq: int
+) -> tuple[AttentionMetadata, int]:
+    """The metadata of a decode-only batch padded to ``bucket`` rows (host-side helper, used by
+    tests and by the runner's fill logic). Returns (padded metadata, number of real rows)."""
+    n = attn.num_seqs
+    if attn.slot_mapping.shape[0] != n:
+        raise ValueError(f"not a decode-only batch: {attn.slot_mapping.shape[0]} tokens for {n} sequences")
+    if n > bucket:
+        raise ValueError(f"{n} sequences do not fit bucket {bucket}")
+    width = attn.block_tables.shape[1]
+    if width > max_blocks_per_seq:
+        raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={max_blocks_per_seq}")
+    dev = attn.slot_mapping.device
+    slots = torch.full((bucket,), -1, dtype=attn.slot_mapping.dtype, device=dev)
+    slots[:n] = attn.slot_mapping
+    tables = torch.zeros((bucket, max_blocks_per_seq), dtype=attn.block_tables.dtype, device=dev)
+    tables[:n, :width] = attn.block_tables
+    seq_lens = torch.zeros((bucket,), dtype=attn.seq_lens.dtype, device=dev)
+    seq_lens[:n] = attn.seq_lens
+    qsl = torch.full((bucket + 1,), n, dtype=attn.query_start_loc.dtype, device=dev)
+    qsl[: n + 1] = attn.query_start_loc
+    return AttentionMetadata(slots, tables, seq_lens, qsl), n
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        step_fn: Callable,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        buckets: Sequence[int] | None = None,
+        step_options: dict | None = None,
+        use_graphs: bool | None = None,
+        clone_outputs: bool = True,
+        warmup_runs: int = 2,
+    ):
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        self.step_fn = step_fn
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0].device
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = int(max_blocks_per_seq)
+        self.buckets = normalize_buckets(buckets, max_num_seqs)
+        self.step_options = dict(step_options or {})
+        self.step_options.pop("return_details", None)
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
+        if use_graphs and self.device.type != "cuda":
+            raise RuntimeError(f"CUDA/HIP graphs need the KV cache on a GPU, it is on {self.device}")
+        self.use_graphs = use_graphs
+        self.clone_outputs = clone_outputs
+        self.warmup_runs = warmup_runs
+        B, dev = self.buckets[-1], self.device
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((B,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros((B, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(B, dtype=torch.long, device=dev)
+        self._arange = torch.arange(B, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.captured = False
+        self.capture_seconds = 0.0
+        self.replays = 0
+        self.fallbacks = 0
+
+    # -- buffers ---------------------------------------------------------------------------
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return pick_bucket(self.buckets, num_seqs)
+
+    def can_run(self, num_tokens: int, num_seqs: int) -> bool:
+        """A decode-only batch (one token per sequence) that fits a captured bucket."""
+        return self.captured and num_tokens == num_seqs and num_seqs >= 1 and self.bucket_for(num_seqs) is not None
+
+    def static_inputs(self, bucket: int):
+        """The bucket's views of the static buffers: (input_ids, positions, attn, logits_indices)."""
+        attn = AttentionMetadata(
+            self.slot_mapping[:bucket],
+            self.block_tables[:bucket],
+            self.seq_lens[:bucket],
+            self.query_start_loc[: bucket + 1],
+        )
+        return self.input_ids[:bucket], self.positions[:bucket], attn, self.logits_indices[:bucket]
+
+    def fill(self, bucket: int, input_ids, positions, attn: AttentionMetadata, logits_indices=None) -> int:
+        """Copy a decode-only batch into the static buffers and pad it to ``bucket`` rows."""
+        n = attn.num_seqs
+        if input_ids.shape[0] != n or attn.slot_mapping.shape[0] != n:
+            raise ValueError(f"not a decode-only batch: {input_ids.shape[0]} tokens for {n} sequences")
+        if n > bucket:
+            raise ValueError(f"{n} sequences do not fit bucket {bucket}")
+        width = attn.block_tables.shape[1]
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={self.max_blocks_per_seq}")
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(attn.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(attn.seq_lens, non_blocking=True)
+        self.query_start_loc[: n + 1].copy_(attn.query_start_loc, non_blocking=True)
+        self.block_tables[:n, :width].copy_(attn.block_tables, non_blocking=True)
+        if width < self.max_blocks_per_seq:
+            self.block_tables[:n, width:].zero_()
+        rows = n if logits_indices is None else logits_indices.shape[0]
+        if logits_indices is not None:
+            self.logits_indices[:rows].copy_(logits_indices, non_blocking=True)
+        else:
+            self.logits_indices[:rows].copy_(self._arange[:rows])
+        self._pad(n, bucket, rows)
+        return n
+
+    def _pad(self, n: int, bucket: int, rows: int | None = None) -> None:
+        """Rows ``n .. bucket-1`` become padding; logits rows from ``rows`` on point at themselves."""
+        rows = n if rows is None else rows
+        if rows < bucket:
+            self.logits_indices[rows:bucket].copy_(self._arange[rows:bucket])
+        if n >= bucket:
+            return
+        self.input_ids[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        self.slot_mapping[n:bucket].fill_(-1)
+        self.seq_lens[n:bucket].zero_()
+        self.block_tables[n:bucket].zero_()
+        # query length 0 for padding sequences: their start offsets all equal the real token count
+        self.query_start_loc[n + 1 : bucket + 1].copy_(self.query_start_loc[n : n + 1].expand(bucket - n))
+
+    def _run_step(self, bucket: int) -> torch.Tensor:
+        input_ids, positions, attn, logits_indices = self.static_inputs(bucket)
+        out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
+        return out[0] if isinstance(out, tuple) else out
+
+    # -- capture ---------------------------------------------------------------------------
+    def capture(self) -> CudaGraphRunner:
+        """Warm up and capture every bucket, largest first, into one memory pool."""
+        t0 = time.perf_counter()
+        for bucket in reversed(self.buckets):
+            self.query_start_loc[0] = 0
+            self._pad(0, bucket)  # an all-padding batch: no KV reads or writes
+            if not self.use_graphs:
+                self.outputs[bucket] = self._run_step(bucket)
+                continue
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(self.warmup_runs):
+                    self._run_step(bucket)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[bucket] = self._run_step(bucket)
+            self.graphs[bucket] = graph
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+        self.captured = True
+        self.capture_seconds = time.perf_counter() - t0
+        log.info(
+            "captured %s for buckets %s in %.2f s",
+            "CUDA/HIP graphs" if self.use_graphs else "static-buffer steps (no graphs)",
+            self.buckets,
+            self.capture_seconds,
+        )
+        return self
+
+    # -- running ---------------------------------------------------------------------------
+    def __call__(self, input_ids, positions, attn: AttentionMetadata, logits_indices=None) -> torch.Tensor:
+        """Logits for the batch's rows ([len(logits_indices)] or [num_seqs], fp32)."""
+        n = attn.num_seqs
+        rows = n if logits_indices is None else logits_indices.shape[0]
+        bucket = self.bucket_for(n)
+        if not self.captured or bucket is None or input_ids.shape[0] != n:
+            self.fallbacks += 1
+            out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
+            return out[0] if isinstance(out, tuple) else out
+        self.fill(bucket, input_ids, positions, attn, logits_indices)
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+            out = self.outputs[bucket]
+        else:
+            out = self._run_step(bucket)
+        self.replays += 1
+        out = out[:rows]
+        return out.clone() if self.clone_outputs else out
