@@ -242,30 +242,34 @@ class LLMEngine:
         """The request's news since its last output (tokens, text, logprobs per completion)."""
         completions = []
         for seq in request.seqs:
-            done = seq.is_finished
-            if seq.sent_tokens == seq.num_output_tokens and not done:
+            produced = len(seq.token_ids) - seq.num_prompt_tokens
+            done = seq.finish_reason is not None
+            if seq.sent_tokens == produced and (not done or seq.sent_finish):
                 continue
-            hold = 0 if done or not seq.params.stop_strings else max(map(len, seq.params.stop_strings)) - 1
-            text_end = max(seq.sent_text, len(seq.text) - hold)
-            logprobs = seq.logprobs[seq.sent_logprobs :] if seq.params.logprobs is not None else None
+            params = seq.params
+            text_end = len(seq.text)
+            if not done and params.stop_strings:  # hold back what may be the start of a stop string
+                text_end = max(seq.sent_text, text_end - max(map(len, params.stop_strings)) + 1)
+            with_logprobs = params.logprobs is not None
             completions.append(
                 CompletionOutput(
                     index=seq.index,
                     text=seq.text[seq.sent_text : text_end],
-                    token_ids=seq.output_token_ids[seq.sent_tokens :],
-                    logprobs=logprobs,
-                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    token_ids=seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :],
+                    logprobs=seq.logprobs[seq.sent_logprobs :] if with_logprobs else None,
+                    cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
-            seq.sent_tokens, seq.sent_text, seq.sent_logprobs = seq.num_output_tokens, text_end, len(seq.logprobs)
+            seq.sent_tokens, seq.sent_text, seq.sent_logprobs = produced, text_end, len(seq.logprobs)
+            seq.sent_finish = done
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
-            finished=request.finished,
+            finished=all(s.finish_reason is not None for s in request.seqs),
             num_cached_tokens=request.seqs[0].num_cached_tokens,
         )
 

@@ -61,6 +61,7 @@ class Sequence:
         self.sent_tokens = 0
         self.sent_text = 0
         self.sent_logprobs = 0
+        self.sent_finish = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,39 @@
+"""``python -m rlt_compile.generate`` end to end on a tiny checkpoint, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rlt_compile import LLM, SamplingParams, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlt_compile.generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_generate_cli_prints_the_engine_text(tiny_dirs):
+    model_dir = str(tiny_dirs["nanbeige"])
+    proc = _run("--model", model_dir, "--prompt", "the capital of france is", "--max-tokens", "5", "--verbose")
+    assert proc.returncode == 0, proc.stderr
+    llm = LLM(load_model(model_dir), num_blocks=16)
+    expected = llm.generate("the capital of france is", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert proc.stdout.strip() == expected[0].outputs[0].text.strip()
+    assert "tok/s" in proc.stderr and "output_tokens=" in proc.stderr
+
+
+def test_generate_cli_reports_bad_arguments(tiny_dirs):
+    proc = _run("--model", str(tiny_dirs["nanbeige"]), "--prompt", "hello", "--top-p", "0")
+    assert proc.returncode == 2 and "top_p" in proc.stderr

@@ -1,0 +1,81 @@
+"""The engine on CUDA in bf16 with tiny models (``pytest -m gpu``; skipped without a GPU).
+
+bf16 GEMMs may pick different kernels for different batch shapes, so batched and alone are
+compared by agreement (the first token everywhere, most sequences entirely) rather than bit
+equality; fp32 on the GPU must agree exactly on tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+from conftest import FAMILIES, family_options
+
+from rlt_compile import load_model
+from rlt_compile.engine import LLMEngine, SamplingParams
+from rlt_compile.models.runner import greedy_generate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on the device)"),
+]
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _prompts(count=16, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 256) for _ in range(rng.randrange(1, 48))] for _ in range(count)]
+
+
+def _run(eng: LLMEngine, prompts) -> list[list[int]]:
+    ids = [eng.add_request(None, p, PARAMS) for p in prompts]
+    done = eng.run_to_completion()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return [done[i].outputs[0].token_ids for i in ids]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    first = sum(x[0] == y[0] for x, y in zip(a, b)) / len(a)
+    whole = sum(x == y for x, y in zip(a, b)) / len(a)
+    return first, whole
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_bf16_batched_vs_alone(tiny_dirs, family):
+    model = load_model(tiny_dirs[family], dtype=torch.bfloat16, device="cuda")
+    prompts = _prompts()
+    opts = family_options(family)
+    batched = _run(LLMEngine(model, num_blocks=256, model_options=opts), prompts)
+    alone_engine = LLMEngine(model, num_blocks=256, model_options=opts)
+    alone = [_run(alone_engine, [p])[0] for p in prompts]
+    first, whole = _agreement(batched, alone)
+    assert first >= 0.9 and whole >= 0.75, (first, whole)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_fp32_batched_equals_runner(tiny_dirs, family):
+    model = load_model(tiny_dirs[family], dtype=torch.float32, device="cuda")
+    prompts = _prompts(8, seed=1)
+    opts = family_options(family)
+    batched = _run(LLMEngine(model, num_blocks=256, model_options=opts, max_num_batched_tokens=64), prompts)
+    runner = [greedy_generate(model, p, PARAMS.max_tokens, **opts)[0] for p in prompts]
+    first, whole = _agreement(batched, runner)
+    assert first == 1.0 and whole >= 0.9, (first, whole)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("rlt_compile.graphs") is None or importlib.util.find_spec("rlt_compile.compiler") is None,
+    reason="rlt_compile.graphs / rlt_compile.compiler not available",
+)
+def test_cuda_compiled_graphs_match_eager(tiny_dirs):
+    model = load_model(tiny_dirs["ouro"], dtype=torch.bfloat16, device="cuda")
+    prompts = _prompts(12, seed=2)
+    eager = _run(LLMEngine(model, num_blocks=256), prompts)
+    fast = LLMEngine(model, num_blocks=256, compile=True, use_cuda_graphs=True, max_num_seqs=16)
+    assert fast.runner.graph_runner is not None
+    first, whole = _agreement(_run(fast, prompts), eager)
+    assert first >= 0.9 and whole >= 0.75, (first, whole)
