@@ -87,3 +87,16 @@ def test_prefix_cache_hit_gives_identical_tokens(models, family):
     assert eng.block_manager.stats.hits - hits >= len(shared) // eng.config.block_size
     # the same prompt again: everything but the last block comes from the cache
     assert run(eng, [second]) == run(engine(model, family, enable_prefix_caching=False), [second])
+
+
+def test_compiled_engine_with_graph_runner_matches_eager(tiny_dirs, models):
+    """compile=True (CPU Inductor) plus the CudaGraphRunner hook (static buffers, no graphs on the CPU)."""
+    pytest.importorskip("rlt_compile.compiler")
+    pytest.importorskip("rlt_compile.graphs")
+    prompts = mixed_prompts(6, seed=5, max_len=30)
+    eager = run(engine(models["ouro"], "ouro"), prompts)
+    model = load_model(tiny_dirs["ouro"])  # compile_model installs compiled units on the instance
+    eng = engine(model, "ouro", compile=True, use_cuda_graphs=True, max_num_seqs=8, max_num_batched_tokens=32)
+    assert eng.runner.step_fn is not model and eng.runner.graph_runner is not None
+    assert run(eng, prompts) == eager
+    assert eng.runner.graph_runner.replays > 0

@@ -110,14 +110,16 @@ class ModelRunner:
         return compile_model(self.model, **self.config.compile_options)
 
     def _build_graph_runner(self):
-        if self.device.type != "cuda":
-            log.warning(
-                "use_cuda_graphs=True needs a CUDA device (model is on %s); running without graphs", self.device
-            )
-            return None
         runner_cls = _optional("rlt_compile.graphs", "CudaGraphRunner")
         if runner_cls is None:
             log.warning("use_cuda_graphs=True but rlt_compile.graphs.CudaGraphRunner is not available")
+            return None
+        if self.device.type != "cuda":  # the runner keeps its static buffers but replays no graphs
+            log.info("use_cuda_graphs=True on %s: decode steps use static buffers without graphs", self.device)
+        elif self.step_fn is self.model:
+            log.warning(
+                "use_cuda_graphs=True needs compile=True (eager attention reads metadata on the host); no graphs"
+            )
             return None
         runner = runner_cls(
             self.step_fn,
