@@ -67,8 +67,16 @@ class LoopedLM(nn.Module):
         """Loop steps (or recurrences) a forward runs when the caller does not say."""
         raise NotImplementedError
 
-    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+    tp_size: int = 1  # tensor-parallel ranks sharing the heads (see rlt_compile/distributed.py)
+
+    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
+        """The KV layout of the whole model (all heads)."""
         raise NotImplementedError
+
+    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+        """The KV layout this process holds: its share of the KV heads under tensor parallelism."""
+        full = self.full_kv_layout(max_steps)
+        return KVLayout(full.num_slots, full.num_kv_heads // self.tp_size, full.head_dim)
 
     def allocate_kv_cache(
         self,

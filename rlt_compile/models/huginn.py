@@ -134,7 +134,7 @@ class HuginnForCausalLM(LoopedLM):
     def default_steps(self) -> int:
         return self.config.mean_recurrence
 
-    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
         c = self.config
         steps = max_steps or c.mean_recurrence
         slots = c.n_layers_in_prelude + c.n_layers_in_coda + c.n_layers_in_recurrent_block * steps

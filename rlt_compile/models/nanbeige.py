@@ -129,7 +129,7 @@ class NanbeigeForCausalLM(LoopedLM):
     def default_steps(self) -> int:
         return self.config.loops
 
-    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
         steps = max_steps or self.config.loops
         return KVLayout(steps * self.config.num_hidden_layers, self.config.kv_heads, self.config.dim_per_head)
 

@@ -159,7 +159,7 @@ class OuroForCausalLM(LoopedLM):
     def default_steps(self) -> int:
         return self.config.total_ut_steps
 
-    def kv_layout(self, max_steps: int | None = None) -> KVLayout:
+    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
         steps = max_steps or self.config.total_ut_steps
         return KVLayout(steps * self.config.num_hidden_layers, self.config.kv_heads, self.config.dim_per_head)
 
