@@ -78,6 +78,10 @@ class LoopedLM(nn.Module):
         full = self.full_kv_layout(max_steps)
         return KVLayout(full.num_slots, full.num_kv_heads // self.tp_size, full.head_dim)
 
+    def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
+        """(layer, loop step) of every KV slot, in slot order; one layer's slots differ by step."""
+        raise NotImplementedError
+
     def allocate_kv_cache(
         self,
         num_blocks: int,
@@ -85,14 +89,31 @@ class LoopedLM(nn.Module):
         max_steps: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        fold_steps: bool = False,
     ) -> list[torch.Tensor]:
-        """One zeroed ``[2, num_blocks, block_size, kv_heads, head_dim]`` plane per slot."""
+        """One zeroed ``[2, num_blocks, block_size, kv_heads, head_dim]`` plane per slot.
+
+        With ``fold_steps`` the planes of one layer are views into a single
+        ``[2, steps * num_blocks, ...]`` tensor (step ``t`` owns blocks ``t*num_blocks ..``), so a pass
+        whose rows sit at different loop steps can address every step's plane through block ids
+        (see ``models/wavefront.py``). Each view's ``_base`` is that layer tensor.
+        """
         layout = self.kv_layout(max_steps)
         ref = next(self.parameters())
         dtype = dtype or ref.dtype
         device = device or ref.device
         shape = (2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+        if not fold_steps:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+        slots = self.slot_steps(max_steps)
+        depth: dict[int, int] = {}
+        for layer, step in slots:
+            depth[layer] = max(depth.get(layer, 0), step + 1)
+        folded = {
+            layer: torch.zeros((2, n * num_blocks, *shape[2:]), dtype=dtype, device=device)
+            for layer, n in depth.items()
+        }
+        return [folded[layer][:, step * num_blocks : (step + 1) * num_blocks] for layer, step in slots]
 
     def check_steps(self, steps: int, kv_caches: list[torch.Tensor]) -> None:
         needed = self.kv_layout(steps).num_slots

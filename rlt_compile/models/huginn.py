@@ -134,6 +134,13 @@ class HuginnForCausalLM(LoopedLM):
     def default_steps(self) -> int:
         return self.config.mean_recurrence
 
+    def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
+        c = self.config
+        fixed = c.n_layers_in_prelude + c.n_layers_in_coda
+        core = c.n_layers_in_recurrent_block
+        steps = max_steps or c.mean_recurrence
+        return [(i, 0) for i in range(fixed)] + [(fixed + j, i) for i in range(steps) for j in range(core)]
+
     def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
         c = self.config
         steps = max_steps or c.mean_recurrence

@@ -129,6 +129,10 @@ class NanbeigeForCausalLM(LoopedLM):
     def default_steps(self) -> int:
         return self.config.loops
 
+    def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
+        n = self.config.num_hidden_layers
+        return [(layer, t) for t in range(max_steps or self.config.loops) for layer in range(n)]
+
     def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
         steps = max_steps or self.config.loops
         return KVLayout(steps * self.config.num_hidden_layers, self.config.kv_heads, self.config.dim_per_head)
