@@ -13,7 +13,7 @@ from rlt_compile import load_model
 from rlt_compile.engine import LLMEngine, SamplingParams
 from rlt_compile.models.runner import greedy_generate
 
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -42,7 +42,7 @@ def run(eng: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_equals_alone_equals_runner(models, family):
     model = models[family]
-    prompts = mixed_prompts(16, seed=1)
+    prompts = mixed_prompts(16, seed=1, max_len=34)
     batched = run(engine(model, family), prompts)
     alone_engine = engine(model, family)
     alone = [run(alone_engine, [p])[0] for p in prompts]
@@ -68,11 +68,11 @@ def test_preemption_small_pool_same_tokens_no_leak(models, family):
     prompts = mixed_prompts(8, seed=3, max_len=30)
     reference = run(engine(model, family, block_size=4), prompts)
     for caching in (True, False):
-        # 12 blocks of 4 tokens: any single request fits (<= 35 tokens), all 8 together do not
-        eng = engine(model, family, block_size=4, num_blocks=12, enable_prefix_caching=caching)
+        # 10 blocks of 4 tokens: any single request fits (<= 33 tokens), all 8 together do not
+        eng = engine(model, family, block_size=4, num_blocks=10, enable_prefix_caching=caching)
         assert run(eng, prompts) == reference
         assert eng.stats.preemptions > 0
-        assert eng.block_manager.num_free_blocks == 12
+        assert eng.block_manager.num_free_blocks == 10
 
 
 @pytest.mark.parametrize("family", FAMILIES)

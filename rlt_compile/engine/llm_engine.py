@@ -185,7 +185,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         if not batch.seqs:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not batch.preempted:
                 raise RuntimeError("the scheduler cannot admit any waiting sequence (KV pool too small?)")
             return outputs
         logits, sample_seqs = self.runner.execute(batch)
