@@ -38,35 +38,44 @@ def per_row(value, n: int, dtype: torch.dtype, device, fill) -> torch.Tensor:
 
 
 def copy_kv_rows(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) -> None:
-    """Copy the K/V entries at flat cache ``slots`` from plane ``src`` into plane ``dst``."""
+    """Copy the K/V entries at flat cache ``slots`` from plane ``src`` into plane ``dst``.
+
+    Negative slots (padding rows) are skipped without reading them on the host, so on a GPU this
+    is two gathers and the Triton KV-write kernel: safe inside CUDA-graph capture.
+    """
     flat_src = src.view(2, -1, *src.shape[3:])
-    flat_dst = dst.view(2, -1, *dst.shape[3:])
-    flat_dst.index_copy_(1, slots, flat_src.index_select(1, slots))
+    rows = flat_src.index_select(1, slots.clamp(min=0))
+    if src.is_cuda:
+        from rlt_compile.kernels.triton_attention import kv_write_triton
+
+        kv_write_triton(rows[0], rows[1], dst, slots)
+    else:
+        from rlt_compile.kernels.reference import kv_write_reference
+
+        kv_write_reference(rows[0], rows[1], dst, slots)
 
 
 def fill_skipped_kv(
     kv_caches: list[torch.Tensor],
     slot_of: Callable[[int, int], int],
     layers: int,
-    exit_steps: torch.Tensor,
-    steps_run: int,
+    exit_steps: int | torch.Tensor,
     total_steps: int,
     slot_mapping: torch.Tensor,
 ) -> None:
     """ "last-exited": for each row that exited at ``k``, copy step-``k`` K/V into steps ``k+1..``.
 
-    ``slot_of(step, layer)`` is the model's KV slot index; ``steps_run`` steps were computed, so
-    slots of steps at or beyond it hold nothing for these rows and are filled too.
+    ``slot_of(step, layer)`` is the model's KV slot index. With one exit step for the whole batch
+    (an int) nothing is read back from the device; per-row steps group the rows on the host.
     """
-    for k in exit_steps.unique().tolist():
-        rows = (exit_steps == k) & (slot_mapping >= 0)
-        if k >= total_steps - 1 or not bool(rows.any()):
-            continue
-        slots = slot_mapping[rows]
+    if isinstance(exit_steps, int):
+        groups = [(exit_steps, slot_mapping)]
+    else:
+        groups = [(k, torch.where(exit_steps == k, slot_mapping, -1)) for k in exit_steps.unique().tolist()]
+    for k, slots in groups:
         for t in range(k + 1, total_steps):
             for layer in range(layers):
                 copy_kv_rows(kv_caches[slot_of(k, layer)], kv_caches[slot_of(t, layer)], slots)
-    del steps_run  # every later step is overwritten, whether or not it ran
 
 
 def is_decode_only(input_ids: torch.Tensor, seq_lens: torch.Tensor) -> bool:

@@ -259,7 +259,7 @@ class HuginnForCausalLM(LoopedLM):
                 break
         if kv_layout == "last-exited" and exit_criterion is not None:
             slot_of = lambda step, layer: base + step * core + layer  # noqa: E731
-            fill_skipped_kv(kv_caches, slot_of, core, exit_steps, i + 1, steps, attn.slot_mapping)
+            fill_skipped_kv(kv_caches, slot_of, core, exit_steps, steps, attn.slot_mapping)
         logits, latent = self.coda(output, cos, sin, coda_caches, attn, logits_indices)
         if not return_details:
             return logits

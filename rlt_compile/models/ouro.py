@@ -224,6 +224,9 @@ class OuroForCausalLM(LoopedLM):
         if kv_layout == "last-exited":
             if not is_decode_only(input_ids, attn.seq_lens):
                 raise ValueError("kv_layout='last-exited' needs a decode-only batch (one token per sequence)")
+            if isinstance(exit_at_step, int) and 0 <= exit_at_step < steps:
+                logits = self._forward_fixed_exit(input_ids, positions, kv_caches, attn, steps, exit_at_step)
+                return (logits, {"exit_steps": torch.full_like(fixed, exit_at_step)}) if return_details else logits
             return self._forward_last_exited(
                 input_ids, positions, kv_caches, attn, steps, fixed, threshold, return_details
             )
@@ -248,6 +251,15 @@ class OuroForCausalLM(LoopedLM):
             "exit_steps": exit_steps,
         }
 
+    def _forward_fixed_exit(self, input_ids, positions, kv_caches, attn, steps: int, k: int):
+        """The whole decode batch exits at step ``k``: ``k + 1`` steps, no host reads (graph-safe)."""
+        n = self.config.num_hidden_layers
+        h, cos, sin = self.embed(input_ids, positions)
+        for t in range(k + 1):
+            h = self.loop_step(h, cos, sin, kv_caches[t * n : (t + 1) * n], attn)
+        fill_skipped_kv(kv_caches, lambda step, layer: step * n + layer, n, k, steps, attn.slot_mapping)
+        return self.lm_head(h).float()
+
     def _forward_last_exited(self, input_ids, positions, kv_caches, attn, steps, fixed, threshold, return_details):
         """Decode rows stop at their exit step; the loop ends once every row has exited."""
         n = self.config.num_hidden_layers
@@ -268,7 +280,7 @@ class OuroForCausalLM(LoopedLM):
                 break
         hs = torch.stack(per_step)
         slot_of = lambda step, layer: step * n + layer  # noqa: E731
-        fill_skipped_kv(kv_caches, slot_of, n, exit_steps, len(per_step), steps, attn.slot_mapping)
+        fill_skipped_kv(kv_caches, slot_of, n, exit_steps, steps, attn.slot_mapping)
         chosen = hs.gather(0, exit_steps[None, :, None].expand(1, -1, hs.shape[-1])).squeeze(0)
         logits = self.lm_head(chosen).float()
         if not return_details:
