@@ -61,8 +61,10 @@ def measure(model, cm, label, variants, batch, context, tokens, max_steps, prefi
             graph_ms = timed(lambda r=runner: r(ids, pos, meta, rows), tokens)
             del runner
         out.append((label, batch, name, compiled_ms, graph_ms))
-        print(f"{label} batch {batch} {name}: compiled {compiled_ms:.3f} ms, graphs {graph_ms or float('nan'):.3f} ms", flush=True)
-    del planes
+        print(
+            f"{label} batch {batch} {name}: compiled {compiled_ms:.3f} ms, graphs {graph_ms or float('nan'):.3f} ms",
+            flush=True,
+        )
     torch.cuda.empty_cache()
     return out
 
@@ -107,9 +109,7 @@ def main(argv=None) -> int:
         depth = int(name.split("=")[1]) + (1 if label.startswith("ouro") else 0)
         ideal = depth / (4 if label.startswith("ouro") else 32)
         ratio = g / full[(label, b)] if g and full.get((label, b)) else None
-        lines.append(
-            f"| {label} | {b} | {name} | {c:.3f} | {g:.3f} | {b * 1e3 / g:.0f} | {ratio:.2f} | {ideal:.2f} |"
-        )
+        lines.append(f"| {label} | {b} | {name} | {c:.3f} | {g:.3f} | {b * 1e3 / g:.0f} | {ratio:.2f} | {ideal:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
