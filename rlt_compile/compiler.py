@@ -67,22 +67,14 @@ log = logging.getLogger("rlt_compile.compiler")
 DYNAMIC_CHOICES = ("tokens", "auto", "static")
 MODE_CHOICES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
 
-# Unit argument name -> the dims that vary with the batch (tokens / rows). Units receive their
-# arguments under these names in all three families; a model may extend or override the table
-# with a ``dynamic_dims`` class attribute of the same form.
+# Which dims of a unit's tensor arguments vary with the batch. Every tensor argument's dim 0 is
+# the token / row dimension unless the argument's name is listed here; a model may extend or
+# override the table with a ``dynamic_dims`` class attribute of the same form (``()`` = static).
 DYNAMIC_DIMS: dict[str, tuple[int, ...]] = {
-    "input_ids": (0,),
-    "positions": (0,),
-    "h": (0,),
-    "s": (0,),
-    "e": (0,),
-    "x": (0,),
-    "cos": (0,),
-    "sin": (0,),
-    "hs": (1,),  # [steps, rows, hidden]
-    "logits_indices": (0,),
+    "hs": (1,),  # Ouro head: [steps, rows, hidden]
     "kv_caches": (1,),  # [2, num_blocks, block_size, kv_heads, head_dim]: num_blocks per cache
 }
+DEFAULT_DYNAMIC_DIMS: tuple[int, ...] = (0,)
 ATTN_DYNAMIC_DIMS: dict[str, tuple[int, ...]] = {
     "slot_mapping": (0,),
     "block_tables": (0, 1),
@@ -192,14 +184,14 @@ def mark_dynamic_args(bound: inspect.BoundArguments, table: dict[str, tuple[int,
         if isinstance(value, AttentionMetadata):
             for field_name, dims in ATTN_DYNAMIC_DIMS.items():
                 _mark(getattr(value, field_name), dims)
-        elif name in table:
-            dims = table[name]
-            if isinstance(value, torch.Tensor):
-                _mark(value, dims)
-            elif isinstance(value, (list, tuple)):
-                for t in value:
-                    if isinstance(t, torch.Tensor):
-                        _mark(t, dims)
+            continue
+        dims = table.get(name, DEFAULT_DYNAMIC_DIMS)
+        if isinstance(value, torch.Tensor):
+            _mark(value, dims)
+        elif isinstance(value, (list, tuple)):
+            for t in value:
+                if isinstance(t, torch.Tensor):
+                    _mark(t, dims)
 
 
 def private_method(model: torch.nn.Module, name: str) -> types.MethodType:

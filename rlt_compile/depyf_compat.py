@@ -49,7 +49,6 @@ def install() -> bool:
 
     original = mod.patched_load_by_key_path
 
-    @functools.wraps(original)
     def load_by_key_path(key, path, linemap=None, attrs=None, **kwargs):
         data = global_variables.data
         torch_fn = data["unpatched_load_by_key_path"]
@@ -60,6 +59,7 @@ def install() -> bool:
         finally:
             data["unpatched_load_by_key_path"] = torch_fn
 
+    load_by_key_path.__name__ = original.__name__
     enable_debugging.patched_load_by_key_path = load_by_key_path  # the name prepare_debug installs
     _installed = True
     return True

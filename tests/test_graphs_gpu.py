@@ -1,0 +1,154 @@
+"""GPU: compile_model + CUDA graphs against the eager model, on tiny checkpoints (``pytest -m gpu``).
+
+* compiled (Triton attention, Inductor) and compiled + CUDA graphs equal eager in bf16 within
+  tolerance, for every family, for prefill and decode steps;
+* exact greedy tokens (fp32, tf32 off) with prefill compiled and every decode step a graph replay;
+* the Inductor code hands the KV planes to the Triton attention op without copying them;
+* one graph replay covers all loop steps (Huginn at 32 recurrences) and padding rows do not
+  change real rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import FAMILIES, family_options
+from test_compiler import split_top_level
+
+from rlt_compile import load_model
+from rlt_compile.compiler import compile_model
+from rlt_compile.graphs import CudaGraphRunner
+from rlt_compile.kernels.metadata import build_metadata
+from rlt_compile.models.runner import greedy_generate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU (run with -m gpu on the device)"),
+]
+
+BLOCK = 16
+BF16_TOL = {"rtol": 3e-2, "atol": 6e-2}
+
+
+def load(tiny_dirs, family, dtype):
+    return load_model(tiny_dirs[family], dtype=dtype, device="cuda", load_tokenizer=False)
+
+
+def prompts_and_tables(n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [3 + 7 * i for i in range(n)]
+    prompts = [torch.randint(0, 256, (ln,), generator=gen).tolist() for ln in lens]
+    tables = [[4 * i + b for b in range(4)] for i in range(n)]
+    return prompts, tables
+
+
+def run_prefill(fn, planes, prompts, tables, opts):
+    meta = build_metadata([len(p) for p in prompts], [0] * len(prompts), tables, BLOCK, device="cuda")
+    ids = torch.tensor([t for p in prompts for t in p], device="cuda")
+    pos = torch.cat([torch.arange(len(p)) for p in prompts]).cuda()
+    last = torch.cumsum(torch.tensor([len(p) for p in prompts]), 0).cuda() - 1
+    with torch.no_grad():
+        return fn(ids, pos, planes, meta, last, **opts)
+
+
+def decode_inputs(lengths, tables, tokens):
+    n = len(lengths)
+    meta = build_metadata([1] * n, lengths, tables, BLOCK, device="cuda")
+    return (
+        torch.tensor(tokens, device="cuda"),
+        torch.tensor(lengths, device="cuda"),
+        meta,
+        torch.arange(n, device="cuda"),
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_and_graphs_equal_eager_bf16(tiny_dirs, family):
+    opts = family_options(family)
+    model, ref = load(tiny_dirs, family, torch.bfloat16), load(tiny_dirs, family, torch.bfloat16)
+    cm = compile_model(model, platform="cuda")
+    assert cm.attention_backend == "triton"
+    planes, ref_planes = model.allocate_kv_cache(16, BLOCK), ref.allocate_kv_cache(16, BLOCK)
+    prompts, tables = prompts_and_tables(3, seed=1)
+    got = run_prefill(cm, planes, prompts, tables, opts)
+    want = run_prefill(ref, ref_planes, prompts, tables, opts)
+    torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    runner = CudaGraphRunner(cm.run_compiled, planes, max_num_seqs=4, max_blocks_per_seq=4, step_options=opts)
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4]
+    lengths = [len(p) for p in prompts]
+    tokens = want.argmax(-1).tolist()
+    for _ in range(4):
+        ids, pos, meta, rows = decode_inputs(lengths, tables, tokens)
+        got = runner(ids, pos, meta, rows)  # 3 sequences in the 4-row bucket
+        with torch.no_grad():
+            want = ref(ids, pos, ref_planes, meta, rows, **opts)
+        torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+        lengths = [n + 1 for n in lengths]
+        tokens = want.argmax(-1).tolist()
+    assert runner.replays == 4 and runner.fallbacks == 0
+    assert cm.graph_counts() == dict.fromkeys(model.compile_units, 1)
+
+
+def test_inductor_code_writes_kv_planes_in_place_on_gpu(tiny_dirs):
+    model = load(tiny_dirs, "nanbeige", torch.bfloat16)
+    cm = compile_model(model, platform="cuda")
+    planes = model.allocate_kv_cache(16, BLOCK)
+    prompts, tables = prompts_and_tables(2, seed=2)
+    run_prefill(cm, planes, prompts, tables, {})
+    code = "\n".join(cm.graph_records("loop_step")[0].output_code)
+    calls = re.findall(r"torch\.ops\.rlt\.attention_triton\.default\((.*)\)", code)
+    assert len(calls) == model.config.num_hidden_layers
+    for call in calls:
+        args = split_top_level(call)
+        assert re.fullmatch(r"arg\d+_1", args[3].strip()), call  # the KV plane: a graph input, as is
+        assert args[-1].strip() == "'ieee'"  # bf16 caches
+    assert ".copy_(" not in code and "aten.copy" not in code
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_greedy_tokens_exact_with_graphs_fp32(tiny_dirs, family):
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        opts = family_options(family)
+        model, ref = load(tiny_dirs, family, torch.float32), load(tiny_dirs, family, torch.float32)
+        prompt = [5, 17, 42, 99, 3, 7, 61, 8, 23, 11, 4, 90, 33, 12, 6, 70, 2]
+        want, _ = greedy_generate(ref, prompt, 24, **opts)
+        cm = compile_model(model, platform="cuda")
+        planes = model.allocate_kv_cache(4, BLOCK)
+        table = [[0, 1, 2, 3]]
+        runner = CudaGraphRunner(cm.run_compiled, planes, 2, 4, step_options=opts).capture()
+        logits = run_prefill(cm, planes, [prompt], table, opts)
+        tokens = [int(logits[0].argmax())]
+        length = len(prompt)
+        while len(tokens) < 24:
+            ids, pos, meta, rows = decode_inputs([length], table, tokens[-1:])
+            tokens.append(int(runner(ids, pos, meta, rows)[0].argmax()))
+            length += 1
+        assert tokens == want
+        assert runner.replays == 23
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_huginn_32_recurrences_in_one_graph(tiny_dirs):
+    model, ref = load(tiny_dirs, "huginn", torch.bfloat16), load(tiny_dirs, "huginn", torch.bfloat16)
+    opts = {"init_scale": 0.0, "num_steps": 32}
+    cm = compile_model(model, platform="cuda", cuda_graphs=True, graph_max_num_seqs=2)
+    planes = model.allocate_kv_cache(8, BLOCK, max_steps=32)
+    ref_planes = ref.allocate_kv_cache(8, BLOCK, max_steps=32)
+    prompts, tables = prompts_and_tables(2, seed=3)
+    run_prefill(cm, planes, prompts, tables, opts)  # prefill: not decode-only, no graph
+    run_prefill(ref, ref_planes, prompts, tables, opts)
+    assert not cm.graph_runners
+    ids, pos, meta, rows = decode_inputs([len(p) for p in prompts], tables, [1, 2])
+    got = cm(ids, pos, planes, meta, rows, **opts)  # captures, then replays
+    with torch.no_grad():
+        want = ref(ids, pos, ref_planes, meta, rows, **opts)
+    torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    (runner,) = cm.graph_runners.values()
+    assert runner.replays == 1
+    assert cm.graph_counts() == {"prelude": 1, "loop_step": 1, "coda": 1}
