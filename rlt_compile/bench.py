@@ -276,7 +276,8 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
             token, per = dec.decode(plain(model), token, args.eager_steps, sync)
             result.eager_ms = per * 1e3
             log.info("%s: eager %.2f ms/token", name, result.eager_ms)
-        cm = compile_model(model, platform="cuda" if is_gpu else "cpu", mode=args.mode)
+        patches = json.loads(args.inductor_config) if args.inductor_config else None
+        cm = compile_model(model, platform="cuda" if is_gpu else "cpu", mode=args.mode, inductor_config=patches)
         t1 = time.perf_counter()
         token, _ = dec.decode(plain(cm), token, 1, sync)  # compiles every unit
         result.first_call_s = time.perf_counter() - t1
@@ -303,7 +304,44 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
             log.info("%s: graphs %.3f ms/token (capture %.2f s)", name, result.graphs_ms, result.capture_s)
             if runner.fallbacks:
                 result.notes.append(f"{runner.fallbacks} graph fallbacks")
+            if args.profile:
+                try:
+                    result.notes.append(profile_kernels(lambda: dec.decode(replay, token, 4, sync), 4))
+                except Exception as e:  # a profiler problem must not lose the timings
+                    result.notes.append(f"profile failed: {type(e).__name__}: {e}")
     return result
+
+
+KERNEL_CLASSES = (
+    ("attention", ("paged_attention", "kv_write", "split_reduce")),
+    ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "xmma", "splitkreduce", "cublas")),
+    ("inductor", ("triton_",)),
+)
+
+
+def profile_kernels(run, tokens: int) -> str:
+    """GPU kernel time per token by class (attention / GEMM / Inductor-fused / other) over ``run()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    totals: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.name.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        if "memcpy" in name or "memset" in name:
+            cls = "copy"
+        t = totals.setdefault(cls, [0.0, 0])
+        t[0] += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        t[1] += 1
+    busy = sum(v[0] for v in totals.values()) / tokens / 1e3
+    parts = ", ".join(
+        f"{c} {v[0] / tokens / 1e3:.2f} ms ({v[1] // tokens} kernels)"
+        for c, v in sorted(totals.items(), key=lambda kv: -kv[1][0])
+    )
+    return f"profile per token (graphs): GPU busy {busy:.2f} ms: {parts}"
 
 
 def _fmt(x, spec=".1f", none="-"):
@@ -365,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test, e.g. with --device cpu)")
     parser.add_argument("--out", default=None, help="write the markdown table here")
     parser.add_argument("--json", default=None, help="write raw results as JSON here")
+    parser.add_argument("--profile", action="store_true", help="add a per-token GPU kernel-time breakdown (graphs)")
+    parser.add_argument(
+        "--inductor-config", default=None, help="Inductor config patches as JSON, e.g. '{\"freezing\": true}'"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("rlt_compile.passes").setLevel(logging.WARNING)

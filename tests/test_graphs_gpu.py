@@ -104,7 +104,7 @@ def test_inductor_code_writes_kv_planes_in_place_on_gpu(tiny_dirs):
     for call in calls:
         args = split_top_level(call)
         assert re.fullmatch(r"arg\d+_1", args[3].strip()), call  # the KV plane: a graph input, as is
-        assert args[-1].strip() == "'ieee'"  # bf16 caches
+        assert args[-1].strip() in ("'ieee'", "precision='ieee'")  # bf16 caches
     assert ".copy_(" not in code and "aten.copy" not in code
 
 
