@@ -240,6 +240,9 @@ BAD_REQUESTS = [
     ),
     ("token_out_of_vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 9999]}, 400, "prompt"),
     ("missing_messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("empty_messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("bad_message", "/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
+    ("mixed_prompt_list", "/v1/completions", {"model": MODEL, "prompt": ["a", 1]}, 400, "prompt"),
     ("n_0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 0}, 400, "n"),
     ("top_p_2", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_p": 2}, 400, "top_p"),
     ("max_tokens_str", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, 400, "max_tokens"),
@@ -283,6 +286,7 @@ def test_api_key_required(server, http, headers):
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert anon.get("/v1/models").status_code == 401
+        assert anon.post("/v1/completions", content=b"{bad json").status_code == 401  # auth comes first
         assert anon.get("/health").status_code == 200  # health and metrics stay open
     assert_serving(http)
 

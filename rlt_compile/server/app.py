@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -242,6 +242,29 @@ def _chat_logprobs(state: ServerState, c: CompletionOutput, top: int) -> dict | 
     return {"content": content}
 
 
+class _BearerAuth:
+    """ASGI middleware: with an api key set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
+
+    Checked before the body is read, so a request without the key gets 401 whatever its body. Pure ASGI
+    (no BaseHTTPMiddleware), so the receive channel (and disconnect detection) passes through untouched.
+    """
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        key = self.state.api_key
+        if key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                self.state.metrics.request_rejected(401)
+                error = APIError(401, "Incorrect or missing API key.", "invalid_request_error", None, "invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # -- the app --------------------------------------------------------------------------------------
 def build_app(
     engine: LLMEngine | AsyncEngine | Any | None = None,
@@ -315,8 +338,9 @@ def build_app(
             message = "the request body must be a JSON object"
             param = None
         else:
-            param = ".".join(loc) if loc else None
-            message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", exc))
+            param = loc[0] if loc else None  # the top-level field; the message has the full location
+            where = ".".join(loc)
+            message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", exc))
             if len(errors) > 1:
                 message += f" (and {len(errors) - 1} more error(s))"
         state.metrics.request_rejected(400)
@@ -336,13 +360,7 @@ def build_app(
         state.metrics.request_rejected(500)
         return JSONResponse(error_body(f"internal error: {exc!r}", "server_error", None, None), status_code=500)
 
-    async def check_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key.", "invalid_request_error", None, "invalid_api_key")
+    app.add_middleware(_BearerAuth, state=state)
 
     # -- plain routes ----------------------------------------------------------------------------
     @app.get("/health")
@@ -367,13 +385,13 @@ def build_app(
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def models() -> dict:
         cards = [model_card(n, state.engine.max_model_len, state.created) for n in state.model_names]
         return {"object": "list", "data": cards}
 
     # -- completions -----------------------------------------------------------------------------
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
         try:
@@ -463,7 +481,7 @@ def build_app(
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # -- chat ------------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
         tokenizer = state.tokenizer
