@@ -277,7 +277,10 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
             result.eager_ms = per * 1e3
             log.info("%s: eager %.2f ms/token", name, result.eager_ms)
         patches = json.loads(args.inductor_config) if args.inductor_config else None
-        cm = compile_model(model, platform="cuda" if is_gpu else "cpu", mode=args.mode, inductor_config=patches)
+        passes = args.passes.split(",") if args.passes else None
+        cm = compile_model(
+            model, platform="cuda" if is_gpu else "cpu", mode=args.mode, inductor_config=patches, passes=passes
+        )
         t1 = time.perf_counter()
         token, _ = dec.decode(plain(cm), token, 1, sync)  # compiles every unit
         result.first_call_s = time.perf_counter() - t1
@@ -352,6 +355,7 @@ def markdown(results: list[Result], bandwidth: float | None, device_name: str, a
     bw = f"{bandwidth / 1e12:.2f} TB/s" if bandwidth else "n/a"
     lines = [
         f"Batch-1 decode, {args.dtype}, context {args.context} tokens, on {device_name}; copy bandwidth {bw}.",
+        f"passes: {args.passes or 'default'}; mode: {args.mode or 'default'}. "
         f"torch {torch.__version__}; eager {args.eager_steps}, compiled {args.compiled_steps}, "
         f"graphs {args.steps} timed tokens.",
         "",
@@ -403,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke test, e.g. with --device cpu)")
     parser.add_argument("--out", default=None, help="write the markdown table here")
     parser.add_argument("--json", default=None, help="write raw results as JSON here")
+    parser.add_argument("--passes", default=None, help="comma list of passes (default: compile_model's default)")
     parser.add_argument("--profile", action="store_true", help="add a per-token GPU kernel-time breakdown (graphs)")
     parser.add_argument(
         "--inductor-config", default=None, help="Inductor config patches as JSON, e.g. '{\"freezing\": true}'"

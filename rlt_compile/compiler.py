@@ -45,6 +45,7 @@ Options (keyword arguments of ``compile_model``):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -132,13 +133,14 @@ class UnitBackend:
         index = len(self.records)
         before_text = format_graph(gm, shapes=True)
         before_code = gm.code
-        records = self.manager.run(gm, self.ctx)
+        records = self.manager.run(gm, dataclasses.replace(self.ctx, example_inputs=list(example_inputs)))
         record = GraphRecord(self.unit, index, before_text, format_graph(gm, shapes=True), records, gm)
         self.records.append(record)
         if self.dump_dir is not None:
             self._dump(record, before_code, gm.code)
         if not self.inductor:
             record.compile_seconds = time.perf_counter() - t0
+            self._after_compile()
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.graph import GraphLowering
@@ -146,12 +148,19 @@ class UnitBackend:
         with mock.patch.object(GraphLowering, "save_output_code", record.output_code.append):
             compiled = compile_fx(gm, example_inputs, config_patches=self.inductor_config or None)
         record.compile_seconds = time.perf_counter() - t0
+        self._after_compile()
         log.info("compiled %s graph %d in %.1f s", self.unit, index, record.compile_seconds)
         if self.dump_dir is not None:
             for i, code in enumerate(record.output_code):
                 suffix = "" if i == 0 else f".{i}"
                 (self.dump_dir / f"{self.unit}.{index}.inductor{suffix}.py").write_text(code)
         return compiled
+
+    def _after_compile(self) -> None:
+        for p in self.manager.passes:
+            hook = getattr(p, "after_compile", None)
+            if hook is not None:
+                hook()
 
     def _dump(self, record: GraphRecord, before_code: str, after_code: str) -> None:
         stem = self.dump_dir / f"{record.unit}.{record.index}"

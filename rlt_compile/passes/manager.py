@@ -31,11 +31,22 @@ log = logging.getLogger("rlt_compile.passes")
 @dataclass
 class PassContext:
     """What a pass may consult: the target platform, the requested attention backend (None =
-    the platform's choice) and the name of the compile unit being compiled."""
+    the platform's choice), the name of the compile unit being compiled and, inside the
+    torch.compile backend, the real tensors Dynamo passes for the graph's inputs."""
 
     platform: Platform
     attention_backend: str | None = None
     unit: str = "?"
+    example_inputs: list | None = None
+
+    def placeholder_values(self, gm: fx.GraphModule) -> dict[fx.Node, Any] | None:
+        """Placeholder node -> the real value of that input (None when unknown)."""
+        if self.example_inputs is None:
+            return None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(self.example_inputs):
+            return None
+        return dict(zip(placeholders, self.example_inputs))
 
 
 class GraphPass(Protocol):
@@ -85,8 +96,9 @@ class PassManager:
 def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.attention_swap import AttentionSwapPass
     from rlt_compile.passes.dot_precision import DotPrecisionPass
+    from rlt_compile.passes.fuse_linears import FuseLinearsPass
 
-    return {"attention_swap": AttentionSwapPass, "dot_precision": DotPrecisionPass}
+    return {"attention_swap": AttentionSwapPass, "dot_precision": DotPrecisionPass, "fuse_linears": FuseLinearsPass}
 
 
 DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision")
