@@ -75,6 +75,7 @@ class Result:
     generated: int
     expected: int
     note: str = ""
+    decode_tok_s: float = 0.0  # over decode-only steps (no prompt tokens in the batch)
 
 
 def random_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
@@ -136,8 +137,13 @@ def run_scenario(eng: LLMEngine, batch: int, prompt_len: int, out_len: int, time
     torch.cuda.synchronize()
     start = time.perf_counter()
     partial = False
+    decode_tokens, decode_seconds = 0, 0.0
     while eng.has_unfinished():
-        eng.step()
+        prefill, generated, t = eng.stats.prefill_tokens, eng.stats.generated_tokens, time.perf_counter()
+        eng.step()  # sampling reads the tokens back, so the step has finished on the device here
+        if eng.stats.prefill_tokens == prefill:
+            decode_tokens += eng.stats.generated_tokens - generated
+            decode_seconds += time.perf_counter() - t
         if time_limit is not None and time.perf_counter() - start > time_limit and eng.has_unfinished():
             partial = True
             break
@@ -149,7 +155,7 @@ def run_scenario(eng: LLMEngine, batch: int, prompt_len: int, out_len: int, time
             eng.abort_request(rid)
         while eng.has_unfinished():
             eng.step()
-    return generated, seconds, partial
+    return generated, seconds, partial, decode_tokens / decode_seconds if decode_seconds else 0.0
 
 
 def warm_up(eng: LLMEngine) -> None:
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
         for i, (name, batch, prompt_len, out_len) in enumerate(scenarios):
             if mode != "eager":  # an untimed pass with the same shapes first: Triton JIT, autotuning
                 run_scenario(eng, batch, prompt_len, out_len, args.warm_time_limit, seed=i)
-            generated, seconds, partial = run_scenario(eng, batch, prompt_len, out_len, limit, seed=i)
+            generated, seconds, partial, decode_tok_s = run_scenario(eng, batch, prompt_len, out_len, limit, seed=i)
             r = Result(
                 name,
                 mode,
@@ -214,10 +220,12 @@ def main(argv=None) -> int:
                 generated,
                 batch * out_len,
                 "partial (time limit)" if partial else "",
+                decode_tok_s,
             )
             results.append(r)
             print(
-                f"[{mode}] {name}: {r.tok_s:9.1f} tok/s  {seconds:6.2f}s  {generated}/{r.expected} tokens {r.note}",
+                f"[{mode}] {name}: {r.tok_s:9.1f} tok/s (decode steps {decode_tok_s:9.1f} tok/s)  {seconds:6.2f}s  "
+                f"{generated}/{r.expected} tokens {r.note}",
                 flush=True,
             )
         del eng
@@ -239,10 +247,11 @@ def format_table(results: list[Result], modes: list[str]) -> str:
         head.append("compiled / eager+triton")
     if "eager" in modes and len(modes) > 1:
         head.append(f"{modes[-1]} / eager")
+    head.append(f"{modes[-1]} decode-step tok/s")
     lines = [
         f"Engine throughput, Ouro-1.4B config (random bf16 weights), {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}. Output tok/s over the whole run (prefill included); "
-        "* = partial run stopped by the time limit.",
+        f"torch {torch.__version__}. Output tok/s over the whole run (prefill included); decode-step tok/s "
+        "over the steps without prompt tokens only; * = partial run stopped by the time limit.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -258,6 +267,8 @@ def format_table(results: list[Result], modes: list[str]) -> str:
         if "eager" in modes and len(modes) > 1:
             a, b = by.get((s, modes[-1])), by.get((s, "eager"))
             row.append(f"{a.tok_s / b.tok_s:.1f}x" if a and b and b.tok_s else "-")
+        last = by.get((s, modes[-1]))
+        row.append(f"{last.decode_tok_s:.1f}" if last and last.decode_tok_s else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
