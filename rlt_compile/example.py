@@ -29,7 +29,7 @@ def main(argv=None) -> None:
         out = llm.generate([args.prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0.0), use_tqdm=False)
         print(f"model: tiny random {args.family} ({sum(p.numel() for p in llm.model.parameters())} parameters)")
         print(f"prompt: {args.prompt!r}")
-        print(f"output: {out[0].text!r}  (random weights, so the words are arbitrary)")
+        print(f"output: {out[0].outputs[0].text!r}  (random weights, so the words are arbitrary)")
 
 
 if __name__ == "__main__":
