@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="run the compiled step (rlt_compile.compiler)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
     p.add_argument("--model-option", type=_model_option, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharing the model (under torchrun)")
     p.add_argument("--verbose", action="store_true", help="print token counts, timing and tok/s to stderr")
     return p
 
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         use_cuda_graphs=args.cuda_graphs,
         model_options=dict(args.model_option),
         max_num_seqs=1,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     load_s = time.perf_counter() - t0
     try:
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = outputs[0]
     completion = out.outputs[0]
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", 0)) != 0:
+        return 0  # every rank generated the same text; rank 0 prints it
     print(completion.text)
     if args.verbose:
         seconds = llm.last_run_seconds

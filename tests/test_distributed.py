@@ -84,10 +84,22 @@ def _disaggregated(rank, world, path, family):
     return tokens
 
 
+def _engine_tp(rank, world, path, family):
+    from rlt_compile import LLM, SamplingParams
+
+    llm = LLM(path, tensor_parallel_size=world, num_blocks=32, model_options=family_options(family))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[:5]], params, use_tqdm=False)]
+
+
 def _both(rank, world, paths):
     """Every family, in one pair of processes (starting processes is the slow part)."""
     return {
-        family: (_tp_generate(rank, world, path, family), _disaggregated(rank, world, path, family))
+        family: (
+            _tp_generate(rank, world, path, family),
+            _disaggregated(rank, world, path, family),
+            _engine_tp(rank, world, path, family),
+        )
         for family, path in paths.items()
     }
 
@@ -112,6 +124,17 @@ def test_prefill_decode_disaggregation_gives_identical_tokens(tiny_dirs, two_ran
     model = load_model(tiny_dirs[family], load_tokenizer=False)
     want, _ = greedy_generate(model, PROMPT, 8, **family_options(family))
     assert two_rank_results[1][family][1] == want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_tensor_parallel_equals_one_process(tiny_dirs, two_rank_results, family):
+    from rlt_compile import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dirs[family]), num_blocks=32, model_options=family_options(family))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[:5]], params, use_tqdm=False)]
+    assert two_rank_results[0][family][2] == want
+    assert two_rank_results[1][family][2] == want
 
 
 def test_kv_heads_must_divide(tiny_dirs):

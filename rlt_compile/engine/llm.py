@@ -41,6 +41,7 @@ class LLM:
         dtype = _dtype(options.pop("dtype", None))
         device = options.pop("device", None)
         tokenizer = options.pop("tokenizer", None)
+        tensor_parallel_size = int(options.pop("tensor_parallel_size", 1))
         config, unknown = EngineConfig.split_options(options)
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}")
@@ -53,6 +54,8 @@ class LLM:
             model = model_or_dir
             if dtype is not None or device is not None:
                 model = model.to(device=device, dtype=dtype)
+        if tensor_parallel_size > 1:
+            model = _shard(model, tensor_parallel_size)
         self.model = model
         self.engine = LLMEngine(model, config, tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
@@ -136,6 +139,17 @@ class LLM:
             bar.close()
         self.last_run_seconds = time.perf_counter() - start
         return [results[i] for i in ids]
+
+
+def _shard(model: LoopedLM, size: int) -> LoopedLM:
+    """Tensor parallelism: every rank (started by torchrun) holds 1/size of the heads and runs the
+    same schedule, so all ranks sample the same tokens."""
+    from rlt_compile.distributed import init_distributed, tensor_parallel
+
+    _, world = init_distributed()
+    if world != size:
+        raise ValueError(f"tensor_parallel_size: {size} but the process group has {world} ranks (use torchrun)")
+    return tensor_parallel(model)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -160,6 +160,7 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
+        self.runner.check_depth(params)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output comes with the next ``step``."""

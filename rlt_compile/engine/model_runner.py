@@ -132,6 +132,71 @@ class ModelRunner:
         runner.capture()
         return runner
 
+    # -- depth options (per request) -------------------------------------------------------------
+    @property
+    def cache_steps(self) -> int:
+        return kv_steps(self.model, self.model_options)
+
+    def check_depth(self, params) -> None:
+        """Reject depth options the model or the allocated KV cache cannot serve (ValueError)."""
+        family = self.model.family
+        if params.exit_policy is not None and family != "ouro":
+            raise ValueError(f"exit_policy: only Ouro models have an exit gate (this is {family})")
+        if params.num_steps is not None:
+            if family != "huginn":
+                raise ValueError(
+                    f"num_steps: per-request loop counts are for Huginn; set model_options['num_steps'] for {family}"
+                )
+            if params.num_steps > self.cache_steps:
+                raise ValueError(
+                    f"num_steps: {params.num_steps} recurrences exceed the {self.cache_steps} the KV cache was "
+                    "allocated for (engine model_options['num_steps'])"
+                )
+        steps = self.model_options.get("num_steps") or self.model.default_steps
+        if params.exit_step is not None and params.exit_step >= steps:
+            raise ValueError(f"exit_step: must be < {steps} loop steps, got {params.exit_step}")
+
+    def step_options(self, batch: ScheduledBatch, inputs: StepInputs) -> tuple[dict, bool]:
+        """Forward options for this batch and whether they are the engine-wide ones (graph-safe)."""
+        options = dict(self.model_options)
+        layout = options.pop("kv_layout", "delayed")
+        generated_only = batch.is_decode_only and all(s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs)
+        if layout != "delayed" and generated_only and len(inputs.sample_seqs) == len(batch.seqs):
+            options["kv_layout"] = layout  # early exit applies to generated tokens only
+        if not any(seq.params.has_depth_options for seq in batch.seqs):
+            # graphs were captured with the engine-wide options, kv_layout included
+            return options, layout == "delayed" or "kv_layout" in options
+        dev = self.device
+        if self.model.family == "ouro":
+            fixed, threshold = [], []
+            cfg = self.model.config
+            steps = options.get("num_steps") or cfg.total_ut_steps
+            default_fixed = options.get("exit_at_step", cfg.early_exit_step)
+            default_threshold = options.get("exit_threshold", cfg.early_exit_threshold)
+            for seq in inputs.sample_seqs:
+                p = seq.params
+                if p.exit_policy == "full":
+                    f, t = steps - 1, None
+                elif p.exit_policy == "fixed":
+                    f, t = p.exit_step, None
+                elif p.exit_policy == "threshold":
+                    f, t = None, p.exit_threshold if p.exit_threshold is not None else cfg.early_exit_threshold
+                else:
+                    f, t = default_fixed, default_threshold
+                fixed.append(-1 if f is None else f)
+                threshold.append(float("inf") if t is None else t)
+            options["exit_at_step"] = torch.tensor(fixed, dtype=torch.long, device=dev)
+            options["exit_threshold"] = torch.tensor(threshold, dtype=torch.float32, device=dev)
+        elif self.model.family == "huginn":
+            default = options.get("num_steps") or self.model.default_steps
+            per_seq = [seq.params.num_steps or default for seq in batch.seqs]
+            if len(set(per_seq)) == 1:
+                options["num_steps"] = per_seq[0]
+            else:
+                counts = torch.tensor(batch.num_tokens)
+                options["num_steps"] = torch.tensor(per_seq).repeat_interleave(counts).to(dev)
+        return options, False
+
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids: list[int] = []
@@ -167,7 +232,9 @@ class ModelRunner:
         """Run the batch; returns (fp32 logits [len(sample_seqs), V], sample_seqs)."""
         inputs = self.prepare(batch)
         n = len(batch)
-        if self.graph_runner is not None and batch.is_decode_only and self.graph_runner.can_run(batch.total_tokens, n):
+        options, engine_wide = self.step_options(batch, inputs)
+        graphs = self.graph_runner is not None and engine_wide and batch.is_decode_only
+        if graphs and self.graph_runner.can_run(batch.total_tokens, n):
             logits = self.graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
         else:
             logits = self.step_fn(
@@ -176,7 +243,7 @@ class ModelRunner:
                 self.kv_caches,
                 inputs.attn,
                 inputs.logits_indices,
-                **self.model_options,
+                **options,
             )
         if isinstance(logits, tuple):
             logits = logits[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+EXIT_POLICIES = (None, "full", "threshold", "fixed")
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +29,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the sampled one)
     skip_special_tokens: bool = True
+    # Depth (looped models): Ouro exit policy, per-request loop count (Huginn recurrences).
+    exit_policy: str | None = None  # "full" | "threshold" | "fixed"; None: the engine's default
+    exit_step: int | None = None  # the step "fixed" exits at (0-based)
+    exit_threshold: float | None = None  # "threshold": cumulative exit probability (default: config's)
+    num_steps: int | None = None  # loop steps / recurrences for this request (None: the engine's)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +90,36 @@ class SamplingParams:
             "stop_token_ids",
             f"must be non-negative integers, got {self.stop_token_ids!r}",
         )
+
+        _check(
+            self.exit_policy in EXIT_POLICIES,
+            "exit_policy",
+            f"must be one of {EXIT_POLICIES}, got {self.exit_policy!r}",
+        )
+        _check(
+            self.exit_step is None or (isinstance(self.exit_step, int) and self.exit_step >= 0),
+            "exit_step",
+            f"must be an integer >= 0, got {self.exit_step!r}",
+        )
+        _check(
+            self.exit_policy != "fixed" or self.exit_step is not None,
+            "exit_step",
+            "exit_policy='fixed' needs exit_step",
+        )
+        _check(
+            self.exit_threshold is None or (_is_number(self.exit_threshold) and 0 < self.exit_threshold <= 1),
+            "exit_threshold",
+            f"must be in (0, 1], got {self.exit_threshold!r}",
+        )
+        _check(
+            self.num_steps is None or (isinstance(self.num_steps, int) and self.num_steps >= 1),
+            "num_steps",
+            f"must be an integer >= 1, got {self.num_steps!r}",
+        )
+
+    @property
+    def has_depth_options(self) -> bool:
+        return self.exit_policy is not None or self.num_steps is not None
 
     def clone(self, **changes) -> SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
