@@ -161,3 +161,24 @@ def test_huginn_latent_diff_exit_matches_the_state_change(huginn):
     below = observed < threshold  # min_steps=1: step 0 may exit too
     want = torch.where(below.any(0), below.float().argmax(0), torch.full((3,), 3))
     assert torch.equal(d["exit_steps"], want)
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige", "huginn"])
+def test_shared_layout_needs_one_step_of_cache_and_changes_decode_outputs(tiny_dirs, family):
+    model = load_model(tiny_dirs[family], load_tokenizer=False)
+    opts = {"init_scale": 0.0} if family == "huginn" else {}
+    prompt = PROMPTS[0]
+
+    def prefill_decode(planes, **kw):
+        meta = build_metadata([len(prompt) - 1], [0], [[0, 1]], 16)
+        model(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), planes, meta, **opts, **kw)
+        meta = build_metadata([1], [len(prompt) - 1], [[0, 1]], 16)
+        return model(torch.tensor(prompt[-1:]), torch.tensor([len(prompt) - 1]), planes, meta, **opts, **kw)
+
+    one_step = model.allocate_kv_cache(2, 16, max_steps=1)
+    assert len(one_step) == model.kv_layout(1).num_slots < model.kv_layout().num_slots
+    shared = prefill_decode(one_step, kv_layout="shared")
+    full = prefill_decode(model.allocate_kv_cache(2, 16))
+    assert (shared - full).abs().max() > 1e-3  # documented: the layout changes the model's outputs
+    with pytest.raises(ValueError, match="KV slots"):
+        prefill_decode(model.allocate_kv_cache(2, 16, max_steps=1))  # delayed needs every step's slots

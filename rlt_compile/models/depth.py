@@ -10,6 +10,11 @@ Two layouts say what later tokens read there (``kv_layout`` option of the models
   tokens see a cache that differs from the full model's, so outputs may change.
 
 Early exit applies to decode rows (one query token per sequence); prompt tokens run full depth.
+
+A third layout, ``"shared"``, is not about exits: every loop step of a layer reads and writes one
+K/V plane (the cache of a non-looped model; Huginn's vLLM plugin does this). Later steps overwrite
+earlier ones, so past tokens keep only their last step's K/V. It needs ``1 / steps`` of the memory
+and **changes the model's outputs**; it is off by default and must be used for a whole sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-KV_LAYOUTS = ("delayed", "last-exited")
+KV_LAYOUTS = ("delayed", "last-exited", "shared")
 
 
 def check_kv_layout(kv_layout: str) -> None:

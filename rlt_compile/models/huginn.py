@@ -207,8 +207,9 @@ class HuginnForCausalLM(LoopedLM):
         c = self.config
         per_token = isinstance(num_steps, torch.Tensor)
         steps = int(num_steps.max()) if per_token else (num_steps or c.mean_recurrence)
-        self.check_steps(steps, kv_caches)
         check_kv_layout(kv_layout)
+        shared = kv_layout == "shared"
+        self.check_steps(1 if shared else steps, kv_caches)
         if exit_criterion is not None:
             if exit_criterion not in EXIT_CRITERIA:
                 raise ValueError(f"exit_criterion: must be one of {EXIT_CRITERIA}, got {exit_criterion!r}")
@@ -223,7 +224,8 @@ class HuginnForCausalLM(LoopedLM):
         coda_caches = kv_caches[p : p + cd]
 
         def core_caches(i: int) -> list[torch.Tensor]:
-            return kv_caches[base + i * core : base + (i + 1) * core]
+            first = base + (0 if shared else i * core)
+            return kv_caches[first : first + core]
 
         if not per_token and exit_criterion is None:  # the plain path: every token runs r steps
             for i in range(steps):
@@ -257,7 +259,7 @@ class HuginnForCausalLM(LoopedLM):
             active = active & ~done
             if not bool(active.any()):
                 break
-        if kv_layout == "last-exited" and exit_criterion is not None:
+        if kv_layout == "last-exited" and exit_criterion is not None and not shared:
             slot_of = lambda step, layer: base + step * core + layer  # noqa: E731
             fill_skipped_kv(kv_caches, slot_of, core, exit_steps, steps, attn.slot_mapping)
         logits, latent = self.coda(output, cos, sin, coda_caches, attn, logits_indices)

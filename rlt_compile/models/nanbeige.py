@@ -15,6 +15,7 @@ from torch import nn
 from rlt_compile.kernels.metadata import AttentionMetadata
 from rlt_compile.models.base import KVLayout, LoopedLM
 from rlt_compile.models.config import config_from_dict, is_null
+from rlt_compile.models.depth import check_kv_layout
 from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
 
 
@@ -160,15 +161,22 @@ class NanbeigeForCausalLM(LoopedLM):
         logits_indices: torch.Tensor | None = None,
         *,
         num_steps: int | None = None,
+        kv_layout: str = "delayed",
         return_details: bool = False,
     ):
+        """``kv_layout="shared"``: one K/V plane per layer for every loop (changes outputs)."""
         steps = num_steps or self.config.loops
-        self.check_steps(steps, kv_caches)
+        check_kv_layout(kv_layout)
+        if kv_layout == "last-exited":
+            raise ValueError("kv_layout: Nanbeige has no early exit; use 'delayed' or 'shared'")
+        shared = kv_layout == "shared"
+        self.check_steps(1 if shared else steps, kv_caches)
         n = self.config.num_hidden_layers
         h, cos, sin = self.embed(input_ids, positions)
         per_step = []
         for loop in range(steps):
-            h = self.loop_step(h, cos, sin, kv_caches[loop * n : (loop + 1) * n], attn)
+            first = 0 if shared else loop * n
+            h = self.loop_step(h, cos, sin, kv_caches[first : first + n], attn)
             if return_details:
                 per_step.append(self.select_rows(h, logits_indices))
         logits = self.head(self.select_rows(h, logits_indices))

@@ -214,11 +214,13 @@ class OuroForCausalLM(LoopedLM):
         """``exit_at_step`` / ``exit_threshold`` may be per-row tensors (one value per logits row).
 
         ``kv_layout="delayed"`` computes every step (the reference's behaviour); ``"last-exited"``
-        stops each decode row at its exit step and copies that step's K/V into the later slots.
+        stops each decode row at its exit step and copies that step's K/V into the later slots;
+        ``"shared"`` uses one K/V plane per layer for all steps (changes outputs; models/depth.py).
         """
         steps = num_steps or self.config.total_ut_steps
-        self.check_steps(steps, kv_caches)
         check_kv_layout(kv_layout)
+        shared = kv_layout == "shared"
+        self.check_steps(1 if shared else steps, kv_caches)
         n_rows = input_ids.shape[0] if logits_indices is None else logits_indices.shape[0]
         fixed, threshold = self.exit_policy(n_rows, input_ids.device, exit_at_step, exit_threshold)
         if kv_layout == "last-exited":
@@ -234,7 +236,8 @@ class OuroForCausalLM(LoopedLM):
         h, cos, sin = self.embed(input_ids, positions)
         per_step = []
         for t in range(steps):
-            h = self.loop_step(h, cos, sin, kv_caches[t * n : (t + 1) * n], attn)
+            first = 0 if shared else t * n
+            h = self.loop_step(h, cos, sin, kv_caches[first : first + n], attn)
             per_step.append(self.select_rows(h, logits_indices))
         hs = torch.stack(per_step)
         logits, gate_logits, exit_steps = self.head(hs, fixed, threshold)
