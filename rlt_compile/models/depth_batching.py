@@ -1,0 +1,144 @@
+"""Continuous depth batching for Ouro decode: rows of one pass sit at different loop steps.
+
+The shared stack serves every loop step, so one pass can advance token A from step 2 to 3 while
+token B goes from 0 to 1: the weights are read once for both. A token leaves the batch at its exit
+step (Ouro's policy: a fixed step, the gate's cumulative exit probability reaching a threshold, or
+the last step), its sequence's next token joins at step 0 in the very next pass, and no row waits
+for the slowest one. The KV cache is step-folded (``allocate_kv_cache(fold_steps=True)``): a row at
+step ``t`` reaches its step's plane through block ids offset by ``t * num_blocks``. Skipped steps
+use the "last-exited" layout (``models/depth.py``): the exit step's K/V is copied into the later
+steps' slots of that position, so the next tokens of the sequence find every step filled.
+
+``DepthBatcher.depth_pass`` is a pure tensor function of fixed-shape inputs (token ids, carried
+hidden states, a step-0 mask, positions, metadata), so a CUDA graph per padded batch bucket can
+capture it with the per-row steps as data; the bookkeeping around it runs on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlt_compile.models.depth import fill_skipped_kv
+from rlt_compile.models.ouro import OuroForCausalLM, exit_distribution
+from rlt_compile.models.wavefront import folded_layers, step_metadata
+
+
+@dataclass
+class DepthRow:
+    """One sequence's in-flight token."""
+
+    seq_id: int
+    table: list[int]
+    position: int  # of the in-flight token
+    token: int
+    exit_at_step: int | None = None
+    exit_threshold: float | None = None
+    step: int = 0
+    hidden: torch.Tensor | None = None
+    gates: list[torch.Tensor] = field(default_factory=list)
+
+
+class DepthBatcher:
+    def __init__(self, model: OuroForCausalLM, kv_caches: list[torch.Tensor], block_size: int):
+        if model.family != "ouro":
+            raise ValueError("continuous depth batching needs an exit gate (Ouro)")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.num_blocks = kv_caches[0].shape[1]
+        self.layers = model.config.num_hidden_layers
+        self.steps = model.config.total_ut_steps
+        self.folded = folded_layers(kv_caches, list(range(self.layers)))
+        self.rows: dict[int, DepthRow] = {}
+        self.passes = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, seq_id: int, prompt: list[int], table: list[int], exit_at_step=None, exit_threshold=None) -> int:
+        """Prefill ``prompt`` at full depth; its first token (read at the policy's exit step) joins
+        the batch at step 0. Returns that first token."""
+        device = self.kv_caches[0].device
+        meta = step_metadata([len(prompt)], [0], [table], [0], 0, self.block_size, device)
+        last = torch.tensor([len(prompt) - 1], device=device)
+        ids = torch.tensor(prompt, device=device)
+        logits = self.model(ids, torch.arange(len(prompt), device=device), self.kv_caches, meta, last,
+                            exit_at_step=exit_at_step, exit_threshold=exit_threshold)  # fmt: skip
+        token = int(logits[0].argmax())
+        self.rows[seq_id] = DepthRow(seq_id, table, len(prompt), token, exit_at_step, exit_threshold)
+        return token
+
+    def remove(self, seq_id: int) -> None:
+        self.rows.pop(seq_id, None)
+
+    # -- one pass ------------------------------------------------------------------------------
+    def depth_pass(self, tokens, carried, is_new, positions, meta):
+        """Advance every row by one loop step: (normed hidden [R, H], gate logits [R])."""
+        embedded, cos, sin = self.model.embed(tokens, positions)
+        h = torch.where(is_new[:, None], embedded, carried)
+        out = self.model.loop_step(h, cos, sin, self.folded, meta)
+        return out, self.model.model.early_exit_gate(out).squeeze(-1)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, int]]:
+        """One pass over all in-flight rows; returns the (seq_id, token) pairs that exited."""
+        rows = list(self.rows.values())
+        if not rows:
+            return []
+        device = self.kv_caches[0].device
+        meta = step_metadata(
+            [1] * len(rows), [r.position for r in rows], [r.table for r in rows], [r.step for r in rows],
+            self.num_blocks, self.block_size, device,
+        )  # fmt: skip
+        tokens = torch.tensor([r.token for r in rows], device=device)
+        positions = torch.tensor([r.position for r in rows], device=device)
+        is_new = torch.tensor([r.step == 0 for r in rows], device=device)
+        width = self.model.config.hidden_size
+        dtype = self.folded[0].dtype
+        carried = torch.stack([r.hidden if r.hidden is not None else torch.zeros(width, dtype=dtype, device=device)
+                               for r in rows])  # fmt: skip
+        out, gates = self.depth_pass(tokens, carried, is_new, positions, meta)
+        self.passes += 1
+        exiting = [i for i, r in enumerate(rows) if self._exits(r, gates[i])]
+        emitted = []
+        if exiting:
+            logits = self.model.lm_head(out[exiting]).float()
+            for j, i in enumerate(exiting):
+                row = rows[i]
+                self._fill_later_steps(row)
+                row.token, row.position, row.step, row.hidden, row.gates = (
+                    int(logits[j].argmax()),
+                    row.position + 1,
+                    0,
+                    None,
+                    [],
+                )
+                emitted.append((row.seq_id, row.token))
+        for i, row in enumerate(rows):
+            if i not in exiting:
+                row.step += 1
+                row.hidden = out[i]
+        return emitted
+
+    def _exits(self, row: DepthRow, gate: torch.Tensor) -> bool:
+        """Ouro's rule at this row's current step (the same one the model's head applies)."""
+        row.gates.append(gate)
+        fixed = row.exit_at_step if row.exit_at_step is not None else self.model.config.early_exit_step
+        if fixed is not None and 0 <= fixed < self.steps:
+            return row.step == fixed
+        if row.step == self.steps - 1:
+            return True
+        threshold = row.exit_threshold if row.exit_threshold is not None else self.model.config.early_exit_threshold
+        if threshold is None:
+            return False
+        pdf = exit_distribution(torch.stack(row.gates)[:, None], self.steps)
+        return bool(torch.cumsum(pdf, dim=0)[-1, 0] >= torch.tensor(threshold, dtype=pdf.dtype))
+
+    def _fill_later_steps(self, row: DepthRow) -> None:
+        if row.step >= self.steps - 1:
+            return
+        bs = self.block_size
+        slot = torch.tensor([row.table[row.position // bs] * bs + row.position % bs], device=self.kv_caches[0].device)
+        n = self.layers
+        fill_skipped_kv(self.kv_caches, lambda step, layer: step * n + layer, n, row.step, self.steps, slot)

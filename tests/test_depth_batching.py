@@ -1,0 +1,82 @@
+"""Continuous depth batching: rows at different loop steps in one pass give each sequence the tokens
+it gets alone (exact, fp32), with exits where the policy says and fewer passes than lockstep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlt_compile import load_model
+from rlt_compile.kernels.metadata import build_metadata
+from rlt_compile.models.depth_batching import DepthBatcher
+
+PROMPTS = [[(i * 11 + j * 5) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 19, 11, 33))]
+POLICIES = [{"exit_at_step": 0}, {"exit_at_step": 2}, {"exit_threshold": 0.5}, {}]
+
+
+@pytest.fixture(scope="module")
+def ouro(tiny_dirs):
+    return load_model(tiny_dirs["ouro"], load_tokenizer=False)
+
+
+def reference(model, prompt, n, **policy):
+    """Token-by-token decode with the model's own last-exited path (one sequence, no batching)."""
+    blocks = -(-(len(prompt) + n) // 16)
+    planes = model.allocate_kv_cache(blocks, 16)
+    table = [list(range(blocks))]
+    meta = build_metadata([len(prompt)], [0], table, 16)
+    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, torch.tensor([len(prompt) - 1]),
+                   **policy)  # fmt: skip
+    tokens = [int(logits[0].argmax())]
+    for i in range(n - 1):
+        pos = len(prompt) + i
+        meta = build_metadata([1], [pos], table, 16)
+        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, kv_layout="last-exited", **policy)
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
+def run_batcher(model, prompts, policies, n, stagger=False):
+    blocks = 4
+    planes = model.allocate_kv_cache(blocks * len(prompts), 16, fold_steps=True)
+    batcher = DepthBatcher(model, planes, 16)
+    out = {}
+    pending = list(enumerate(zip(prompts, policies)))
+    if not stagger:
+        for i, (p, pol) in pending:
+            out[i] = [batcher.add(i, p, list(range(i * blocks, (i + 1) * blocks)), **pol)]
+        pending = []
+    while any(len(v) < n for v in out.values()) or pending:
+        if pending:  # one new request joins per pass
+            i, (p, pol) = pending.pop(0)
+            out[i] = [batcher.add(i, p, list(range(i * blocks, (i + 1) * blocks)), **pol)]
+        for seq, token in batcher.step():
+            if len(out[seq]) < n:
+                out[seq].append(token)
+            if len(out[seq]) >= n:
+                batcher.remove(seq)
+    return [out[i] for i in range(len(prompts))], batcher.passes
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_mixed_depth_batch_equals_each_sequence_alone(ouro, stagger):
+    got, _ = run_batcher(ouro, PROMPTS, POLICIES, 6, stagger=stagger)
+    for prompt, policy, tokens in zip(PROMPTS, POLICIES, got):
+        assert tokens == reference(ouro, prompt, 6, **policy)
+        alone, _ = run_batcher(ouro, [prompt], [policy], 6)
+        assert tokens == alone[0]
+
+
+def test_early_exits_take_fewer_passes(ouro):
+    n = 5
+    _, shallow = run_batcher(ouro, PROMPTS, [{"exit_at_step": 0}] * 4, n)
+    _, deep = run_batcher(ouro, PROMPTS, [{"exit_at_step": 3}] * 4, n)
+    assert shallow == n - 1 and deep == 4 * (n - 1)  # one pass per token at depth 1, four at depth 4
+
+
+def test_needs_an_exit_gate_and_a_folded_cache(tiny_dirs, ouro):
+    nanbeige = load_model(tiny_dirs["nanbeige"], load_tokenizer=False)
+    with pytest.raises(ValueError, match="exit gate"):
+        DepthBatcher(nanbeige, nanbeige.allocate_kv_cache(4, 16, fold_steps=True), 16)
+    with pytest.raises(ValueError, match="fold_steps"):
+        DepthBatcher(ouro, ouro.allocate_kv_cache(4, 16), 16)
