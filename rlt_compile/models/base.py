@@ -34,13 +34,14 @@ class LoopedLM(nn.Module):
     config: object
     tokenizer: object | None = None
 
+    # Each family's config exposes vocab_size, context_length, loops, tied and rope (dim, theta).
     @property
     def ties_embeddings(self) -> bool:
-        raise NotImplementedError
+        return self.config.tied
 
     def rope_params(self) -> tuple[int, float]:
         """(rotary dim, theta) from which the non-persistent ``inv_freq`` buffer is rebuilt."""
-        raise NotImplementedError
+        return self.config.rope
 
     def tied_names(self) -> set[str]:
         return {"lm_head.weight"} if self.ties_embeddings else set()
@@ -56,16 +57,16 @@ class LoopedLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        return self.config.vocab_size
 
     @property
     def max_context(self) -> int:
-        raise NotImplementedError
+        return self.config.context_length
 
     @property
     def default_steps(self) -> int:
         """Loop steps (or recurrences) a forward runs when the caller does not say."""
-        raise NotImplementedError
+        return self.config.loops
 
     tp_size: int = 1  # tensor-parallel ranks sharing the heads (see rlt_compile/distributed.py)
 
@@ -128,3 +129,43 @@ class LoopedLM(nn.Module):
     @staticmethod
     def select_rows(h: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
         return h if logits_indices is None else h.index_select(0, logits_indices)
+
+
+class StackLoopedLM(LoopedLM):
+    """A decoder whose whole layer stack runs ``config.loops`` times (Ouro, Nanbeige).
+
+    Slot of loop step ``t``, layer ``l``: ``t * num_hidden_layers + l``. Subclasses build
+    ``self.model`` (``embed_tokens``, ``layers``, ``norm``) and define ``loop_step`` and ``head``.
+    """
+
+    embedding_name = "model.embed_tokens.weight"
+
+    def __init__(self, cfg, model: nn.Module):
+        super().__init__()
+        from rlt_compile.models.layers import rope_inv_freq
+
+        self.config = cfg
+        self.model = model
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("inv_freq", rope_inv_freq(*cfg.rope), persistent=False)
+
+    def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
+        n = self.config.num_hidden_layers
+        return [(layer, t) for t in range(max_steps or self.config.loops) for layer in range(n)]
+
+    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
+        cfg = self.config
+        return KVLayout((max_steps or cfg.loops) * cfg.num_hidden_layers, cfg.kv_heads, cfg.dim_per_head)
+
+    def step_caches(self, kv_caches: list[torch.Tensor], step: int, shared: bool = False) -> list[torch.Tensor]:
+        """The KV planes of loop step ``step`` (step 0's for every step with the shared layout)."""
+        n = self.config.num_hidden_layers
+        first = 0 if shared else step * n
+        return kv_caches[first : first + n]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        from rlt_compile.models.layers import rope_cos_sin
+
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        return self.model.embed_tokens(input_ids), cos, sin

@@ -74,6 +74,12 @@ class HuginnConfig:
     def init_std(self) -> float:
         return float(self.init_values.get("std", math.sqrt(2 / (5 * self.n_embd))))
 
+    # the names LoopedLM reads (see models/base.py)
+    context_length = property(lambda self: self.block_size)
+    loops = property(lambda self: self.mean_recurrence)
+    tied = property(lambda self: self.tie_embeddings)
+    rope = property(lambda self: (self.head_dim, self.rope_base))
+
 
 class SandwichBlock(nn.Module):
     def __init__(self, cfg: HuginnConfig):
@@ -114,25 +120,6 @@ class HuginnForCausalLM(LoopedLM):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_rows, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_base), persistent=False)
-
-    @property
-    def ties_embeddings(self) -> bool:
-        return self.config.tie_embeddings
-
-    def rope_params(self) -> tuple[int, float]:
-        return (self.config.head_dim, self.config.rope_base)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.config.block_size
-
-    @property
-    def default_steps(self) -> int:
-        return self.config.mean_recurrence
 
     def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
         c = self.config

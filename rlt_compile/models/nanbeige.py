@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from rlt_compile.kernels.metadata import AttentionMetadata
-from rlt_compile.models.base import KVLayout, LoopedLM
+from rlt_compile.models.base import StackLoopedLM
 from rlt_compile.models.config import config_from_dict, is_null
 from rlt_compile.models.depth import check_kv_layout
-from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU
 
 
 def _empty_list(value) -> bool:
@@ -75,6 +75,11 @@ class NanbeigeConfig:
     def loops(self) -> int:
         return len(self.loop_loss_weights) + 1 if self.loop_loss_weights else self.num_loops
 
+    # the names LoopedLM reads (see models/base.py)
+    context_length = property(lambda self: self.max_position_embeddings)
+    tied = property(lambda self: self.tie_word_embeddings)
+    rope = property(lambda self: (self.dim_per_head, self.rope_theta))
+
 
 class NanbeigeDecoderLayer(nn.Module):
     def __init__(self, cfg: NanbeigeConfig):
@@ -98,49 +103,12 @@ class NanbeigeModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class NanbeigeForCausalLM(LoopedLM):
-    embedding_name = "model.embed_tokens.weight"
+class NanbeigeForCausalLM(StackLoopedLM):
     family = "nanbeige"
     compile_units = ("embed", "loop_step", "head")
 
     def __init__(self, cfg: NanbeigeConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = NanbeigeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
-
-    @property
-    def ties_embeddings(self) -> bool:
-        return self.config.tie_word_embeddings
-
-    def rope_params(self) -> tuple[int, float]:
-        return (self.config.dim_per_head, self.config.rope_theta)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.config.max_position_embeddings
-
-    @property
-    def default_steps(self) -> int:
-        return self.config.loops
-
-    def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
-        n = self.config.num_hidden_layers
-        return [(layer, t) for t in range(max_steps or self.config.loops) for layer in range(n)]
-
-    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
-        steps = max_steps or self.config.loops
-        return KVLayout(steps * self.config.num_hidden_layers, self.config.kv_heads, self.config.dim_per_head)
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        return self.model.embed_tokens(input_ids), cos, sin
+        super().__init__(cfg, NanbeigeModel(cfg))
 
     def loop_step(self, h, cos, sin, kv_caches: list[torch.Tensor], attn: AttentionMetadata):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -171,12 +139,10 @@ class NanbeigeForCausalLM(LoopedLM):
             raise ValueError("kv_layout: Nanbeige has no early exit; use 'delayed' or 'shared'")
         shared = kv_layout == "shared"
         self.check_steps(1 if shared else steps, kv_caches)
-        n = self.config.num_hidden_layers
         h, cos, sin = self.embed(input_ids, positions)
         per_step = []
         for loop in range(steps):
-            first = 0 if shared else loop * n
-            h = self.loop_step(h, cos, sin, kv_caches[first : first + n], attn)
+            h = self.loop_step(h, cos, sin, self.step_caches(kv_caches, loop, shared), attn)
             if return_details:
                 per_step.append(self.select_rows(h, logits_indices))
         logits = self.head(self.select_rows(h, logits_indices))

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from rlt_compile.kernels.metadata import AttentionMetadata
-from rlt_compile.models.base import KVLayout, LoopedLM
+from rlt_compile.models.base import StackLoopedLM
 from rlt_compile.models.config import config_from_dict, is_null
 from rlt_compile.models.depth import check_kv_layout, fill_skipped_kv, is_decode_only, per_row
-from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class OuroConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    # the names LoopedLM reads (see models/base.py)
+    context_length = property(lambda self: self.max_position_embeddings)
+    loops = property(lambda self: self.total_ut_steps)
+    tied = property(lambda self: self.tie_word_embeddings)
+    rope = property(lambda self: (self.dim_per_head, self.rope_theta))
 
 
 class OuroDecoderLayer(nn.Module):
@@ -127,50 +133,14 @@ def choose_exit_steps(gate_logits: torch.Tensor, fixed: torch.Tensor, threshold:
     return torch.where((fixed >= 0) & (fixed < steps), fixed, by_threshold)
 
 
-class OuroForCausalLM(LoopedLM):
-    embedding_name = "model.embed_tokens.weight"
+class OuroForCausalLM(StackLoopedLM):
     family = "ouro"
     compile_units = ("embed", "loop_step", "head")
 
     def __init__(self, cfg: OuroConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = OuroModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
-
-    @property
-    def ties_embeddings(self) -> bool:
-        return self.config.tie_word_embeddings
-
-    def rope_params(self) -> tuple[int, float]:
-        return (self.config.dim_per_head, self.config.rope_theta)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.config.max_position_embeddings
-
-    @property
-    def default_steps(self) -> int:
-        return self.config.total_ut_steps
-
-    def slot_steps(self, max_steps: int | None = None) -> list[tuple[int, int]]:
-        n = self.config.num_hidden_layers
-        return [(layer, t) for t in range(max_steps or self.config.total_ut_steps) for layer in range(n)]
-
-    def full_kv_layout(self, max_steps: int | None = None) -> KVLayout:
-        steps = max_steps or self.config.total_ut_steps
-        return KVLayout(steps * self.config.num_hidden_layers, self.config.kv_heads, self.config.dim_per_head)
+        super().__init__(cfg, OuroModel(cfg))
 
     # -- compile units -------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        return self.model.embed_tokens(input_ids), cos, sin
 
     def loop_step(self, h, cos, sin, kv_caches: list[torch.Tensor], attn: AttentionMetadata):
         """One pass of the shared stack, then the per-loop final norm."""
@@ -232,12 +202,10 @@ class OuroForCausalLM(LoopedLM):
             return self._forward_last_exited(
                 input_ids, positions, kv_caches, attn, steps, fixed, threshold, return_details
             )
-        n = self.config.num_hidden_layers
         h, cos, sin = self.embed(input_ids, positions)
         per_step = []
         for t in range(steps):
-            first = 0 if shared else t * n
-            h = self.loop_step(h, cos, sin, kv_caches[first : first + n], attn)
+            h = self.loop_step(h, cos, sin, self.step_caches(kv_caches, t, shared), attn)
             per_step.append(self.select_rows(h, logits_indices))
         hs = torch.stack(per_step)
         logits, gate_logits, exit_steps = self.head(hs, fixed, threshold)
@@ -259,7 +227,7 @@ class OuroForCausalLM(LoopedLM):
         n = self.config.num_hidden_layers
         h, cos, sin = self.embed(input_ids, positions)
         for t in range(k + 1):
-            h = self.loop_step(h, cos, sin, kv_caches[t * n : (t + 1) * n], attn)
+            h = self.loop_step(h, cos, sin, self.step_caches(kv_caches, t), attn)
         fill_skipped_kv(kv_caches, lambda step, layer: step * n + layer, n, k, steps, attn.slot_mapping)
         return self.lm_head(h).float()
 
@@ -271,7 +239,7 @@ class OuroForCausalLM(LoopedLM):
         exit_steps = torch.full_like(fixed, steps - 1)
         active = torch.ones_like(fixed, dtype=torch.bool)
         for t in range(steps):
-            h = self.loop_step(h, cos, sin, kv_caches[t * n : (t + 1) * n], attn)
+            h = self.loop_step(h, cos, sin, self.step_caches(kv_caches, t), attn)
             per_step.append(h)
             gates.append(self.model.early_exit_gate(h).squeeze(-1))
             pdf = exit_distribution(torch.stack(gates), steps)
