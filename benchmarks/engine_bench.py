@@ -31,28 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlt_compile.bench import CONFIGS, build_random_model  # noqa: E402
 from rlt_compile.engine import LLMEngine, SamplingParams  # noqa: E402
-from rlt_compile.models import build_model  # noqa: E402
 
-OURO_1_4B = {
-    "architectures": ["OuroForCausalLM"],
-    "model_type": "ouro",
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "head_dim": 128,
-    "vocab_size": 49152,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 65536,
-    "total_ut_steps": 4,
-    "early_exit_threshold": 1.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-}
+OURO_1_4B = CONFIGS["ouro-1.4b"]
 
 # (name, batch, prompt tokens, output tokens)
 SCENARIOS = [
@@ -79,21 +61,8 @@ class Result:
 
 
 def random_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """Ouro-1.4B built on the meta device, then random parameters materialized on ``device``."""
-    with torch.device("meta"):
-        model = build_model(OURO_1_4B)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model = model.to(dtype)
-    model.tie_weights()
-    model.materialize_buffers(torch.device(device))
-    return model.eval().requires_grad_(False)
+    """Ouro-1.4B with random weights (rlt_compile.bench.build_random_model)."""
+    return build_random_model(OURO_1_4B, dtype, torch.device(device), seed)
 
 
 def set_attention(backend: str) -> None:

@@ -33,49 +33,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-OURO_1_4B = {
-    "architectures": ["OuroForCausalLM"],
-    "model_type": "ouro",
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "head_dim": 128,
-    "vocab_size": 49152,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 65536,
-    "total_ut_steps": 4,
-    "early_exit_threshold": 1.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-}
 MODEL_NAME = "ouro-1.4b-random"
+
+
+def ouro_1_4b() -> dict:
+    from rlt_compile.bench import CONFIGS
+
+    return CONFIGS["ouro-1.4b"]
 
 
 # -- the server (child process) -----------------------------------------------------------------
 def random_model(raw_config: dict, device: str, dtype_name: str, seed: int = 0):
-    """Build on the meta device, allocate on ``device``, fill with random values (norms = 1)."""
+    """Random weights on ``device`` (rlt_compile.bench.build_random_model)."""
     import torch
 
-    from rlt_compile.models import build_model
+    from rlt_compile.bench import build_random_model
 
-    dtype = getattr(torch, dtype_name)
-    with torch.device("meta"):
-        model = build_model(raw_config)
-    model = model.to_empty(device=device).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    model.tie_weights()
-    model.materialize_buffers(torch.device(device))
-    return model.eval().requires_grad_(False)
+    return build_random_model(raw_config, getattr(torch, dtype_name), torch.device(device), seed)
 
 
 def use_triton_attention() -> None:
@@ -104,7 +78,7 @@ def serve(args: argparse.Namespace) -> None:
 
         raw, device, dtype = tiny_config("ouro"), "cpu", "float32"
     else:
-        raw, device, dtype = OURO_1_4B, "cuda", "bfloat16"
+        raw, device, dtype = ouro_1_4b(), "cuda", "bfloat16"
         if args.attention == "triton":
             use_triton_attention()
     model = random_model(raw, device, dtype)
@@ -339,7 +313,7 @@ def bench(args: argparse.Namespace) -> int:
     try:
         wait_ready(url, child, args.startup_timeout)
         print(f"server ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        vocab = 256 if args.tiny else OURO_1_4B["vocab_size"]
+        vocab = 256 if args.tiny else ouro_1_4b()["vocab_size"]
         # warm-up: kernel compilation for prefill and decode shapes
         warm = max(args.concurrency)
         asyncio.run(run_level(url, min(warm, 16), min(warm, 16), args.prompt_len, 8, 120.0, vocab))
