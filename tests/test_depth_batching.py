@@ -36,10 +36,10 @@ def reference(model, prompt, n, **policy):
     return tokens
 
 
-def run_batcher(model, prompts, policies, n, stagger=False):
+def run_batcher(model, prompts, policies, n, stagger=False, pipeline=None):
     blocks = 4
     planes = model.allocate_kv_cache(blocks * len(prompts), 16, fold_steps=True)
-    batcher = DepthBatcher(model, planes, 16)
+    batcher = DepthBatcher(model, planes, 16, pipeline_draft_step=pipeline)
     out = {}
     pending = list(enumerate(zip(prompts, policies)))
     if not stagger:
@@ -55,7 +55,7 @@ def run_batcher(model, prompts, policies, n, stagger=False):
                 out[seq].append(token)
             if len(out[seq]) >= n:
                 batcher.remove(seq)
-    return [out[i] for i in range(len(prompts))], batcher.passes
+    return [out[i] for i in range(len(prompts))], batcher.passes if pipeline is None else batcher
 
 
 @pytest.mark.parametrize("stagger", [False, True])
@@ -80,3 +80,39 @@ def test_needs_an_exit_gate_and_a_folded_cache(tiny_dirs, ouro):
         DepthBatcher(nanbeige, nanbeige.allocate_kv_cache(4, 16, fold_steps=True), 16)
     with pytest.raises(ValueError, match="fold_steps"):
         DepthBatcher(ouro, ouro.allocate_kv_cache(4, 16), 16)
+
+
+@pytest.mark.parametrize(("draft_step", "depth"), [(0, None), (1, None), (2, None), (0, 2), (1, 2)])
+def test_token_pipeline_gives_the_same_tokens(ouro, draft_step, depth):
+    policies = [{"exit_at_step": depth}] * 2 if depth is not None else [{}, {}]
+    n = 8
+    want, passes = run_batcher(ouro, PROMPTS[:2], policies, n)
+    got, batcher = run_batcher(ouro, PROMPTS[:2], policies, n, pipeline=draft_step)
+    assert got == want
+    assert batcher.drafts >= batcher.accepted >= 0 and batcher.drafts > 0
+    # every accepted draft saves the passes its parent and it ran side by side
+    assert batcher.passes <= passes
+
+
+def test_token_pipeline_overlaps_tokens_when_drafts_are_right(tiny_dirs):
+    """Forced agreement: with the attention and MLP outputs zeroed and unit norm weights every loop
+    step returns the same normalised state, so each draft is right; at batch 1 a token then
+    completes every pass instead of every 4 passes."""
+    model = load_model(tiny_dirs["ouro"], load_tokenizer=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+    n = 8
+    want, passes = run_batcher(model, PROMPTS[:1], [{}], n)
+    got, batcher = run_batcher(model, PROMPTS[:1], [{}], n, pipeline=0)
+    assert got == want
+    assert batcher.accepted == n - 1  # every token after the prefill's came from a verified draft
+    assert passes == 4 * (n - 1) and batcher.passes <= n + 3
+
+
+def test_token_pipeline_rejects_threshold_policies(ouro):
+    batcher = DepthBatcher(ouro, ouro.allocate_kv_cache(4, 16, fold_steps=True), 16, pipeline_draft_step=0)
+    with pytest.raises(ValueError, match="fixed depth"):
+        batcher.add(0, PROMPTS[0], [0, 1, 2, 3], exit_threshold=0.5)

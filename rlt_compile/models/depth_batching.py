@@ -9,6 +9,16 @@ step ``t`` reaches its step's plane through block ids offset by ``t * num_blocks
 use the "last-exited" layout (``models/depth.py``): the exit step's K/V is copied into the later
 steps' slots of that position, so the next tokens of the sequence find every step filled.
 
+Token pipeline (``pipeline_draft_step=d``): when a token reaches loop step ``d`` its hidden state
+already gives a draft of the next token, which joins the batch at step 0 right away, one pass behind
+its parent by ``d + 1`` steps: rows of the same sequence at different steps share the weight reads,
+so batch-1 decode reads the weights once for two (or more) tokens. The child only reads K/V its parent
+wrote in earlier passes. When the parent exits, its final token verifies the draft: equal, the child's
+work stands; different, the child and its descendants are dropped and the verified token restarts at
+step 0 (its K/V overwrites theirs). Greedy output is the same as without the pipeline. The pipeline
+needs a fixed depth per sequence (``exit_at_step`` or full depth), so a child never exits before its
+parent.
+
 ``DepthBatcher.depth_pass`` is a pure tensor function of fixed-shape inputs (token ids, carried
 hidden states, a step-0 mask, positions, metadata), so a CUDA graph per padded batch bucket can
 capture it with the per-row steps as data; the bookkeeping around it runs on the host.
@@ -25,7 +35,7 @@ from rlt_compile.models.ouro import OuroForCausalLM, exit_distribution
 from rlt_compile.models.wavefront import folded_layers, step_metadata
 
 
-@dataclass
+@dataclass(eq=False)  # rows are compared by identity
 class DepthRow:
     """One sequence's in-flight token."""
 
@@ -38,10 +48,18 @@ class DepthRow:
     step: int = 0
     hidden: torch.Tensor | None = None
     gates: list[torch.Tensor] = field(default_factory=list)
+    draft: bool = False  # the token is a draft its parent has not verified yet
+    child: DepthRow | None = None  # the pipelined next token of the same sequence
 
 
 class DepthBatcher:
-    def __init__(self, model: OuroForCausalLM, kv_caches: list[torch.Tensor], block_size: int):
+    def __init__(
+        self,
+        model: OuroForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        pipeline_draft_step: int | None = None,
+    ):
         if model.family != "ouro":
             raise ValueError("continuous depth batching needs an exit gate (Ouro)")
         self.model = model
@@ -51,8 +69,10 @@ class DepthBatcher:
         self.layers = model.config.num_hidden_layers
         self.steps = model.config.total_ut_steps
         self.folded = folded_layers(kv_caches, list(range(self.layers)))
-        self.rows: dict[int, DepthRow] = {}
+        self.rows: list[DepthRow] = []
         self.passes = 0
+        self.pipeline_draft_step = pipeline_draft_step
+        self.drafts = self.accepted = 0
 
     # -- admission -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -66,11 +86,13 @@ class DepthBatcher:
         logits = self.model(ids, torch.arange(len(prompt), device=device), self.kv_caches, meta, last,
                             exit_at_step=exit_at_step, exit_threshold=exit_threshold)  # fmt: skip
         token = int(logits[0].argmax())
-        self.rows[seq_id] = DepthRow(seq_id, table, len(prompt), token, exit_at_step, exit_threshold)
+        if self.pipeline_draft_step is not None and exit_threshold is not None:
+            raise ValueError("the token pipeline needs a fixed depth per sequence (exit_at_step or full depth)")
+        self.rows.append(DepthRow(seq_id, table, len(prompt), token, exit_at_step, exit_threshold))
         return token
 
     def remove(self, seq_id: int) -> None:
-        self.rows.pop(seq_id, None)
+        self.rows = [r for r in self.rows if r.seq_id != seq_id]
 
     # -- one pass ------------------------------------------------------------------------------
     def depth_pass(self, tokens, carried, is_new, positions, meta):
@@ -82,8 +104,8 @@ class DepthBatcher:
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, int]]:
-        """One pass over all in-flight rows; returns the (seq_id, token) pairs that exited."""
-        rows = list(self.rows.values())
+        """One pass over all in-flight rows; returns the (seq_id, token) pairs that became final."""
+        rows = list(self.rows)
         if not rows:
             return []
         device = self.kv_caches[0].device
@@ -100,26 +122,44 @@ class DepthBatcher:
                                for r in rows])  # fmt: skip
         out, gates = self.depth_pass(tokens, carried, is_new, positions, meta)
         self.passes += 1
-        exiting = [i for i, r in enumerate(rows) if self._exits(r, gates[i])]
+        exiting = {i for i, r in enumerate(rows) if self._exits(r, gates[i])}
+        drafting = {
+            i for i, r in enumerate(rows)
+            if i not in exiting and r.step == self.pipeline_draft_step and r.child is None
+        }  # fmt: skip
+        heads = sorted(exiting | drafting)
+        picked = dict(zip(heads, self.model.lm_head(out[heads]).float().argmax(-1).tolist())) if heads else {}
         emitted = []
-        if exiting:
-            logits = self.model.lm_head(out[exiting]).float()
-            for j, i in enumerate(exiting):
-                row = rows[i]
-                self._fill_later_steps(row)
-                row.token, row.position, row.step, row.hidden, row.gates = (
-                    int(logits[j].argmax()),
-                    row.position + 1,
-                    0,
-                    None,
-                    [],
-                )
-                emitted.append((row.seq_id, row.token))
-        for i, row in enumerate(rows):
-            if i not in exiting:
+        for i, row in sorted(enumerate(rows), key=lambda item: (item[1].seq_id, item[1].position)):
+            if row not in self.rows:
+                continue  # dropped in this pass with a rejected draft
+            if i in exiting:
+                emitted.append((row.seq_id, picked[i]))
+                self._finish(row, picked[i])
+            else:
                 row.step += 1
                 row.hidden = out[i]
+                if i in drafting:
+                    row.child = DepthRow(
+                        row.seq_id, row.table, row.position + 1, picked[i], row.exit_at_step, draft=True
+                    )
+                    self.rows.append(row.child)
+                    self.drafts += 1
         return emitted
+
+    def _finish(self, row: DepthRow, token: int) -> None:
+        """``row`` exited with ``token``: fill its skipped steps, then continue its sequence."""
+        self._fill_later_steps(row)
+        self.rows.remove(row)
+        child = row.child
+        if child is not None and child.token == token:
+            child.draft = False  # verified: the pipelined work stands
+            self.accepted += 1
+            return
+        while child is not None:  # rejected: drop the child and everything drafted after it
+            self.rows.remove(child)
+            child = child.child
+        self.rows.append(DepthRow(row.seq_id, row.table, row.position + 1, token, row.exit_at_step, row.exit_threshold))
 
     def _exits(self, row: DepthRow, gate: torch.Tensor) -> bool:
         """Ouro's rule at this row's current step (the same one the model's head applies)."""
