@@ -33,6 +33,7 @@ class EngineConfig:
     use_cuda_graphs: bool = False
     cuda_graph_buckets: list[int] | None = None
     seed: int = 0  # for requests without their own seed
+    async_scheduling: bool = False  # prepare step n+1 on the host while the device runs step n
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlt_compile.engine.async_runner import AsyncScheduler
 from rlt_compile.engine.block_manager import BlockManager
 from rlt_compile.engine.config import EngineConfig
 from rlt_compile.engine.detokenizer import detokenize_step, find_stop_string
@@ -98,6 +99,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self._aborted: list[RequestOutput] = []
+        self.async_scheduler = AsyncScheduler(self) if self.config.async_scheduling else None
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -167,6 +169,8 @@ class LLMEngine:
         request = self.requests.pop(str(request_id), None)
         if request is None:
             return False
+        if self.async_scheduler is not None:
+            self.async_scheduler.forget(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -182,6 +186,8 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduler is not None:  # overlapped: outputs come one step later
+            return self.async_scheduler.step()
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)

@@ -230,7 +230,11 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the batch; returns (fp32 logits [len(sample_seqs), V], sample_seqs)."""
-        inputs = self.prepare(batch)
+        return self.run(batch, self.prepare(batch))
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch, inputs: StepInputs) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run prepared device inputs (``prepare`` or the async engine's input buffers)."""
         n = len(batch)
         options, engine_wide = self.step_options(batch, inputs)
         graphs = self.graph_runner is not None and engine_wide and batch.is_decode_only
