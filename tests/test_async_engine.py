@@ -21,6 +21,15 @@ from rlt_compile.engine import LLM, LLMEngine, SamplingParams
 from rlt_compile.engine.input_buffers import PLACEHOLDER
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add spin-wait contention on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def models(tiny_dirs):
     return {f: load_model(tiny_dirs[f]) for f in FAMILIES}
@@ -153,6 +162,32 @@ def test_max_tokens_known_in_advance_costs_no_speculative_step(models):
     assert fast.stats.steps == sync.stats.steps and fast.stats.generated_tokens == sync.stats.generated_tokens
 
 
+def test_context_limit_eos_min_tokens_and_engine_reuse(models):
+    model = models["huginn"]
+    opts = family_options("huginn")
+    # max_model_len: sequences stop at the context limit (known in advance: frozen, not speculative)
+    reqs = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in prompts(5, seed=14, max_len=18)]
+    (a, _, _), (b, _, fast) = both(model, "huginn", reqs, max_model_len=24)
+    assert a == b and all(len(p) + len(r[0][0]) == 24 for (p, _), r in zip(reqs, a))
+    assert fast.async_scheduler.speculative_rows == 0
+    # eos (the first greedy token of one prompt, so it really occurs) and min_tokens
+    probe, _ = run(LLMEngine(model, num_blocks=64, model_options=opts), reqs[:1])
+    eos = probe[0][0][0][0]
+    engines = []
+    for async_scheduling in (False, True):
+        eng = LLMEngine(model, num_blocks=64, model_options=opts, async_scheduling=async_scheduling)
+        eng.eos_token_ids = {eos}
+        engines.append(eng)
+    reqs = [
+        (p, SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=8, min_tokens=i % 3))
+        for i, p in enumerate(prompts(6, seed=14, max_len=18))
+    ]
+    first = [run(eng, reqs)[0] for eng in engines]
+    assert first[0] == first[1] and any(c[1] == "stop" and c[2] is None for r in first[0] for c in r)
+    again = [run(eng, reqs[::-1])[0] for eng in engines]  # the same engines, a second workload
+    assert again[0] == again[1] == first[0][::-1]
+
+
 def test_stop_token_costs_one_discarded_speculative_row(models):
     model = models["nanbeige"]
     prompt = prompts(1, seed=7)[0]
@@ -244,6 +279,53 @@ def test_compiled_graph_runner_path_async_equals_sync(tiny_dirs):
     a, _ = run(sync, reqs)
     b, _ = run(fast, reqs)
     assert a == b and fast.runner.graph_runner.replays > 0
+
+
+# -- the engine profile (bench --engine-profile) ------------------------------------------------------
+def test_engine_profile_smoke_on_cpu(tmp_path):
+    from rlt_compile import bench
+
+    out, raw = tmp_path / "profile.md", tmp_path / "profile.json"
+    argv = ["--engine-profile", "--device", "cpu", "--tiny", "--dtype", "float32", "--batches", "1,3"]
+    assert bench.main([*argv, "--engine-steps", "3", "--out", str(out), "--json", str(raw)]) == 0
+    import json
+
+    rows = json.loads(raw.read_text())
+    assert [(r["batch"], r["engine"]) for r in rows] == [(1, "sync"), (1, "async"), (3, "sync"), (3, "async")]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["tok_s"] > 0 and r["profiled_steps"] == 3
+        assert r["ops_per_token"] > 0 and r["busy"] is None  # no device on the CPU
+    assert "| 3 | async |" in out.read_text()
+
+
+class _Evt:
+    def __init__(self, name, start, end, cuda=False):
+        self.name = name
+        self.device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        self.time_range = type("R", (), {"start": start, "end": end})()
+
+
+def test_engine_trace_busy_fraction_is_the_union_of_device_intervals():
+    from rlt_compile.bench import STEP_LABEL, analyze_engine_trace
+
+    events = [
+        _Evt(STEP_LABEL, 0, 100),
+        _Evt(STEP_LABEL, 100, 200),
+        _Evt(STEP_LABEL, 0, 100, cuda=True),  # the GPU-side annotation is not device work
+        _Evt("cudaGraphLaunch", 10, 12),
+        _Evt("cudaLaunchKernel", 110, 111),
+        _Evt("gemv", 20, 60, cuda=True),
+        _Evt("rmsnorm", 40, 90, cuda=True),  # overlaps the gemv (another stream): counted once
+        _Evt("Memcpy HtoD (Pinned -> Device)", 150, 160, cuda=True),
+        _Evt("argmax", 190, 230, cuda=True),  # runs past the last window: clipped
+    ]
+    out = analyze_engine_trace(events, tokens=2, device_type="cuda")
+    assert out["profiled_steps"] == 2
+    assert out["busy"] == pytest.approx((70 + 10 + 10) / 200)
+    assert out["busy_per_step_mean"] == pytest.approx((0.7 + 0.2) / 2)
+    assert out["busy_per_step_min"] == pytest.approx(0.2)
+    assert out["kernels_per_token"] == pytest.approx(3 / 2)  # copies are not kernels
+    assert out["launches_per_token"] == pytest.approx(2 / 2)
 
 
 # -- GPU ----------------------------------------------------------------------------------------------

@@ -192,12 +192,17 @@ class AsyncScheduler:
         max_tokens = max(cfg.max_num_batched_tokens, engine.max_model_len)
         self.buffers = InputBuffers(self.device, max_tokens, cfg.max_num_seqs, max_blocks)
         self.sampler = DeviceSampler(engine.sampler)
+        # sampled ids land here (pinned, one buffer per step parity): step k's are read before k+2 writes
+        self._ids_host = [self._pinned_ids(cfg.max_num_seqs) for _ in range(2)]
         self.inflight: StepRecord | None = None
         self.pending: dict[Sequence, list[StepRecord]] = {}  # placeholders per sequence, oldest first
         self.steps = 0
         self.sync_steps = 0  # steps that had to resolve the previous one before scheduling
         self.speculative_rows = 0  # sampled rows discarded because their sequence had finished
         self.trace: list[tuple[str, int]] | None = None  # set to [] to record the event order (tests)
+
+    def _pinned_ids(self, size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.long, pin_memory=self.is_cuda)
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _note(self, what: str, index: int) -> None:
@@ -292,7 +297,10 @@ class AsyncScheduler:
         if sample_seqs:
             record.tokens_dev, pack = self.sampler(logits, sample_seqs)
             if self.is_cuda:
-                record.tokens_host = torch.empty(len(sample_seqs), dtype=torch.long, pin_memory=True)
+                parity, rows = record.index % 2, len(sample_seqs)
+                if rows > self._ids_host[parity].shape[0]:
+                    self._ids_host[parity] = self._pinned_ids(2 * rows)
+                record.tokens_host = self._ids_host[parity][:rows]
                 record.tokens_host.copy_(record.tokens_dev, non_blocking=True)
             record.logprobs = pack.to_host(self.is_cuda) if pack is not None else None
         if self.is_cuda:

@@ -80,6 +80,7 @@ class _CudaArray:
     """A ``__cuda_array_interface__`` over a pinned host buffer (the pointer is device-valid under UVA)."""
 
     def __init__(self, host: torch.Tensor):
+        self.host = host  # the CUDA tensor's deleter holds this object, so the host memory outlives it
         typestr = {torch.int64: "<i8", torch.int32: "<i4"}[host.dtype]
         self.__cuda_array_interface__ = {
             "shape": tuple(host.shape),
@@ -101,20 +102,27 @@ def uva_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return view
 
 
+_TRITON_COPY = None
+
+
 def _triton_reads(view: torch.Tensor) -> torch.Tensor:
     """Copy ``view`` (1-D int64) with a Triton kernel: does Triton accept and read the pointer?"""
+    global _TRITON_COPY
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _copy(src, dst, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    if _TRITON_COPY is None:
 
+        @triton.jit
+        def _copy(src, dst, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+        _TRITON_COPY = _copy
     out = torch.empty_like(view)
     n = view.numel()
-    _copy[(triton.cdiv(n, 128),)](view, out, n, BLOCK=128)
+    _TRITON_COPY[(triton.cdiv(n, 128),)](view, out, n, BLOCK=128)
     return out
 
 
