@@ -258,6 +258,21 @@ def test_abort_while_a_step_is_in_flight(models):
     assert merged["keep"].outputs[0].token_ids == sync.run_to_completion()["keep"].outputs[0].token_ids
 
 
+def test_per_request_depth_options_async_equals_sync(models):
+    ouro = [
+        SamplingParams(temperature=0, max_tokens=5, exit_policy="fixed", exit_step=1),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=5, exit_policy="threshold", exit_threshold=0.5),
+        SamplingParams(temperature=0, max_tokens=5),
+    ]
+    reqs = [(p, ouro[i % 3]) for i, p in enumerate(prompts(6, seed=15))]
+    (a, _, _), (b, _, _) = both(models["ouro"], "ouro", reqs)
+    assert a == b
+    huginn = [SamplingParams(temperature=0, max_tokens=5, num_steps=r) for r in (1, 2, 4)]
+    reqs = [(p, huginn[i % 3]) for i, p in enumerate(prompts(6, seed=16))]
+    (a, _, _), (b, _, _) = both(models["huginn"], "huginn", reqs)
+    assert a == b
+
+
 def test_llm_api_async_scheduling_option(tiny_dirs):
     reqs = prompts(5, seed=12)
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=6)
