@@ -39,3 +39,20 @@ def config_from_dict(cls: type[C], raw: dict[str, Any], rejected: dict[str, Any]
 def is_null(value: Any) -> bool:
     """null / absent"""
     return value is None
+
+
+class LlamaKeys:
+    """Derived values of configs that use Llama's key names (Ouro, Nanbeige); the last four are the
+    names ``LoopedLM`` reads (see models/base.py)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    context_length = property(lambda self: self.max_position_embeddings)
+    tied = property(lambda self: self.tie_word_embeddings)
+    rope = property(lambda self: (self.dim_per_head, self.rope_theta))

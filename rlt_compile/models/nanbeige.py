@@ -14,7 +14,7 @@ from torch import nn
 
 from rlt_compile.kernels.metadata import AttentionMetadata
 from rlt_compile.models.base import StackLoopedLM
-from rlt_compile.models.config import config_from_dict, is_null
+from rlt_compile.models.config import LlamaKeys, config_from_dict, is_null
 from rlt_compile.models.depth import check_kv_layout
 from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU
 
@@ -25,7 +25,7 @@ def _empty_list(value) -> bool:
 
 
 @dataclass(frozen=True)
-class NanbeigeConfig:
+class NanbeigeConfig(LlamaKeys):
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -64,21 +64,8 @@ class NanbeigeConfig:
         )
 
     @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
     def loops(self) -> int:
         return len(self.loop_loss_weights) + 1 if self.loop_loss_weights else self.num_loops
-
-    # the names LoopedLM reads (see models/base.py)
-    context_length = property(lambda self: self.max_position_embeddings)
-    tied = property(lambda self: self.tie_word_embeddings)
-    rope = property(lambda self: (self.dim_per_head, self.rope_theta))
 
 
 class NanbeigeDecoderLayer(nn.Module):

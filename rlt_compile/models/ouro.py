@@ -15,13 +15,13 @@ from torch import nn
 
 from rlt_compile.kernels.metadata import AttentionMetadata
 from rlt_compile.models.base import StackLoopedLM
-from rlt_compile.models.config import config_from_dict, is_null
+from rlt_compile.models.config import LlamaKeys, config_from_dict, is_null
 from rlt_compile.models.depth import check_kv_layout, fill_skipped_kv, is_decode_only, per_row
 from rlt_compile.models.layers import Attention, RMSNorm, SwiGLU
 
 
 @dataclass(frozen=True)
-class OuroConfig:
+class OuroConfig(LlamaKeys):
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -53,19 +53,7 @@ class OuroConfig:
         )
         return cfg
 
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    # the names LoopedLM reads (see models/base.py)
-    context_length = property(lambda self: self.max_position_embeddings)
     loops = property(lambda self: self.total_ut_steps)
-    tied = property(lambda self: self.tie_word_embeddings)
-    rope = property(lambda self: (self.dim_per_head, self.rope_theta))
 
 
 class OuroDecoderLayer(nn.Module):
