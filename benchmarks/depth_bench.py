@@ -10,26 +10,15 @@ decoded again, so the cost per step is that of a real decode step at that contex
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from rlt_compile.bench import CONFIGS, build_random_model
+from rlt_compile.bench import CONFIGS, build_random_model, wall_ms
 from rlt_compile.compiler import compile_model
 from rlt_compile.graphs import CudaGraphRunner
 from rlt_compile.kernels.metadata import build_metadata
 
 BLOCK = 16
-
-
-def timed(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e3
 
 
 def setup(model, batch: int, context: int, max_steps: int | None, prefill_options: dict):
@@ -53,12 +42,12 @@ def measure(model, cm, label, variants, batch, context, tokens, max_steps, prefi
     planes, blocks, meta, ids, pos, rows = setup(model, batch, context, max_steps, prefill_options)
     out = []
     for name, opts in variants:
-        compiled_ms = timed(lambda o=opts: cm.run_compiled(ids, pos, planes, meta, rows, **o), tokens)
+        compiled_ms = wall_ms(lambda o=opts: cm.run_compiled(ids, pos, planes, meta, rows, **o), tokens)
         graph_ms = None
         if graphs:
             runner = CudaGraphRunner(cm.run_compiled, planes, batch, blocks, buckets=[batch], step_options=opts)
             runner.capture()
-            graph_ms = timed(lambda r=runner: r(ids, pos, meta, rows), tokens)
+            graph_ms = wall_ms(lambda r=runner: r(ids, pos, meta, rows), tokens)
             del runner
         out.append((label, batch, name, compiled_ms, graph_ms))
         print(

@@ -14,11 +14,10 @@ rate is a parameter here. Part 2 times prefill of 1k/4k/8k-token prompts: one ch
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from rlt_compile.bench import CONFIGS, build_random_model
+from rlt_compile.bench import CONFIGS, build_random_model, wall_ms
 from rlt_compile.compiler import compile_model
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.wavefront import wavefront_prefill
@@ -38,16 +37,6 @@ def graph_ms(fn, n: int = 20) -> float:
     with torch.cuda.graph(graph):
         fn()
     return wall_ms(graph.replay, n)
-
-
-def wall_ms(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e3
 
 
 def spec_costs(model, cm, batch: int, context: int, num_draft: int, draft_steps: int):

@@ -164,6 +164,17 @@ def bytes_per_token(model, steps: int) -> tuple[int, int]:
     return per_token, total
 
 
+def wall_ms(fn, n: int) -> float:
+    """Milliseconds per call of ``fn`` over ``n`` calls after one warm-up, device synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e3
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)

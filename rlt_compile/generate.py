@@ -17,7 +17,8 @@ import sys
 import time
 
 
-def _model_option(text: str) -> tuple[str, object]:
+def parse_model_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (key, JSON value, or the raw string when it is not JSON)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--compile", action="store_true", help="run the compiled step (rlt_compile.compiler)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
-    p.add_argument("--model-option", type=_model_option, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharing the model (under torchrun)")
     p.add_argument("--verbose", action="store_true", help="print token counts, timing and tok/s to stderr")
     return p

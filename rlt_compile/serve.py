@@ -12,21 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 
 import uvicorn
 
-
-def _model_option(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+from rlt_compile.generate import parse_model_option
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--compile", action="store_true", help="run the compiled step (rlt_compile.compiler)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
-    p.add_argument("--model-option", type=_model_option, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
