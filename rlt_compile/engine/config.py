@@ -4,7 +4,9 @@
 ``gpu_memory_utilization`` of the device's free memory (on the CPU: of available RAM, capped by
 ``cpu_kv_cache_bytes``), never more than ``max_num_seqs`` full-length sequences need.
 ``model_options`` are passed to every model forward (Huginn ``num_steps`` / ``init_scale``,
-Ouro ``exit_at_step`` ...).
+Ouro ``exit_at_step`` ...). ``speculative_num_draft`` (K > 0) turns on synchronous self-speculative
+decoding with ``speculative_draft_steps`` (d) draft loop steps; it cannot be combined with
+``async_scheduling`` (ValueError).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class EngineConfig:
     cuda_graph_buckets: list[int] | None = None
     seed: int = 0  # for requests without their own seed
     async_scheduling: bool = False  # prepare step n+1 on the host while the device runs step n
+    # Self-speculative decoding (docs/speculation.md): draft K tokens with the model's first d loop
+    # steps, verify them in one full-depth pass. 0 = off.
+    speculative_num_draft: int = 0
+    speculative_draft_steps: int = 1
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -63,6 +69,22 @@ class EngineConfig:
             self.max_queue_size is None or self.max_queue_size >= 1,
             "max_queue_size",
             f"must be >= 1 or None, got {self.max_queue_size}",
+        )
+
+        check(
+            isinstance(self.speculative_num_draft, int) and self.speculative_num_draft >= 0,
+            "speculative_num_draft",
+            f"must be an integer >= 0, got {self.speculative_num_draft!r}",
+        )
+        check(
+            isinstance(self.speculative_draft_steps, int) and self.speculative_draft_steps >= 1,
+            "speculative_draft_steps",
+            f"must be an integer >= 1, got {self.speculative_draft_steps!r}",
+        )
+        check(
+            not (self.speculative_num_draft and self.async_scheduling),
+            "speculative_num_draft",
+            "self-speculative decoding is synchronous: it cannot be combined with async_scheduling=True",
         )
 
     @classmethod

@@ -6,6 +6,12 @@ and leaves every other request untouched) and queues its ``n`` sequences; with p
 ``step`` schedules a batch, runs the model, samples, applies the stop rules (stop token ids, the
 model's eos unless ``ignore_eos``, stop strings, ``max_tokens``, ``max_model_len``), frees finished
 sequences and returns the new output of every request that made progress.
+
+With ``speculative_num_draft=K`` (self-speculative decoding, docs/speculation.md) a decode-only step
+drafts up to K tokens per sequence with the model's first ``speculative_draft_steps`` loop steps (K
+draft passes), verifies them with one full-depth varlen pass (K + 1 tokens per sequence) and keeps
+the longest agreeing prefix plus the target's token (greedy) or the rejection-sampling result
+(sampled), so the output equals (greedy) or is distributed as (sampled) plain decoding.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from rlt_compile.engine.config import EngineConfig
 from rlt_compile.engine.detokenizer import detokenize_step, find_stop_string
 from rlt_compile.engine.model_runner import ModelRunner, choose_num_blocks
 from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
-from rlt_compile.engine.sampler import Sampler
+from rlt_compile.engine.sampler import Sampler, sampling_probs
 from rlt_compile.engine.sampling_params import SamplingParams
-from rlt_compile.engine.scheduler import Scheduler
+from rlt_compile.engine.scheduler import ScheduledBatch, Scheduler
 from rlt_compile.engine.sequence import Sequence
 from rlt_compile.models.base import LoopedLM
+from rlt_compile.models.speculative import draft_options, speculative_accept
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,13 @@ class EngineStats:
     decode_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    spec_steps: int = 0  # steps that ran self-speculation (draft passes + one verify pass)
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens the verify pass accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
 
 
 def collect_eos_ids(model: LoopedLM, tokenizer) -> set[int]:
@@ -90,8 +104,9 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, max_len)
         self.runner = ModelRunner(model, self.config, num_blocks, max_len)
+        self.draft_options = self._draft_options() if self.config.speculative_num_draft else None
         self.sampler = Sampler(device, self.config.seed)
         self.eos_token_ids = collect_eos_ids(model, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -100,6 +115,22 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._aborted: list[RequestOutput] = []
         self.async_scheduler = AsyncScheduler(self) if self.config.async_scheduling else None
+
+    def _draft_options(self) -> dict:
+        """Forward options of the draft passes (ValueError for unusable settings)."""
+        d = self.config.speculative_draft_steps
+        layout = self.config.model_options.get("kv_layout", "delayed")
+        if layout != "delayed":
+            raise ValueError(f"speculative_num_draft: needs kv_layout='delayed', got {layout!r}")
+        try:
+            options = draft_options(self.model, d)
+        except ValueError as e:
+            raise ValueError(f"speculative_draft_steps: {e}") from None
+        if d > self.runner.cache_steps:
+            raise ValueError(
+                f"speculative_draft_steps: {d} exceeds the {self.runner.cache_steps} loop steps of the KV cache"
+            )
+        return options
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -195,6 +226,17 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running and not batch.preempted:
                 raise RuntimeError("the scheduler cannot admit any waiting sequence (KV pool too small?)")
             return outputs
+        if self._speculates(batch):
+            touched = self._speculative_step(batch)
+        else:
+            touched = self._plain_step(batch)
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _plain_step(self, batch: ScheduledBatch) -> dict[str, Request]:
         logits, sample_seqs = self.runner.execute(batch)
         self.stats.steps += 1
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -210,11 +252,105 @@ class LLMEngine:
             for seq, token, logprobs in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, logprobs)
                 touched[seq.request_id] = self.requests[seq.request_id]
-        for request in touched.values():
-            outputs.append(self._output(request))
-            if request.finished:
-                del self.requests[request.request_id]
-        return outputs
+        return touched
+
+    # -- self-speculative decoding -------------------------------------------------------------
+    def _speculates(self, batch: ScheduledBatch) -> bool:
+        """A decode-only batch (no prefill chunk, no per-request depth options) with reserved drafts."""
+        return (
+            self.draft_options is not None
+            and any(batch.lookahead.get(s.seq_id, 0) for s in batch.seqs)
+            and batch.is_decode_only
+            and all(s.num_computed_tokens == len(s) - 1 and not s.params.has_depth_options for s in batch.seqs)
+        )
+
+    def _speculative_step(self, batch: ScheduledBatch) -> dict[str, Request]:
+        """K draft passes, one full-depth verify pass, acceptance, stop rules per token, rollback."""
+        seqs = batch.seqs
+        ks = [batch.lookahead.get(s.seq_id, 0) for s in seqs]
+        base = [len(s) for s in seqs]  # L: the last token (position L - 1) is not computed yet
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        try:
+            for i in range(max(ks)):  # draft pass i: input at position L - 1 + i, one token per sequence
+                active = [j for j, k in enumerate(ks) if k > i]
+                sub = ScheduledBatch()
+                for j in active:
+                    sub.add(seqs[j], 1)
+                logits, _ = self.runner.run(sub, self.runner.prepare(sub), self.draft_options)
+                tokens, probs = self._draft_pick(logits, [seqs[j] for j in active])
+                for row, j in enumerate(active):
+                    drafts[j].append(tokens[row])
+                    if probs[row] is not None:
+                        draft_probs[j].append(probs[row])
+                    seqs[j].token_ids.append(tokens[row])  # temporarily: the next pass's input
+                    seqs[j].num_computed_tokens += 1
+            verify = ScheduledBatch()
+            for j, seq in enumerate(seqs):
+                seq.num_computed_tokens = base[j] - 1
+                verify.add(seq, ks[j] + 1)
+            logits, _ = self.runner.run(verify, self.runner.prepare(verify, all_logits=True))
+        finally:
+            for j, seq in enumerate(seqs):  # roll back to the verified state
+                del seq.token_ids[base[j] :]
+                seq.num_computed_tokens = base[j] - 1
+        self.stats.steps += 1
+        self.stats.spec_steps += 1
+        self.stats.decode_tokens += sum(ks) + len(ks)
+        rows, start = [], 0
+        for k in ks:
+            rows.append((start, start + k + 1))
+            start += k + 1
+        emitted: list[list[int]] = [[] for _ in seqs]
+        plain_logprobs: dict[int, dict | None] = {}
+        plain = [j for j, k in enumerate(ks) if k == 0]
+        if plain:  # sequences that did not speculate: an ordinary decode through the sampler
+            out = self.sampler(logits[[rows[j][0] for j in plain]], [seqs[j] for j in plain])
+            for j, token, lp in zip(plain, out.token_ids, out.logprobs):
+                emitted[j], plain_logprobs[j] = [token], lp
+        for j, seq in enumerate(seqs):
+            if ks[j] == 0:
+                continue
+            target = logits[rows[j][0] : rows[j][1]]
+            if seq.params.greedy:
+                targets = target.argmax(dim=-1).tolist()
+                n = 0
+                while n < ks[j] and drafts[j][n] == targets[n]:
+                    n += 1
+                emitted[j] = drafts[j][:n] + [targets[n]]
+            else:
+                p = sampling_probs(target, [seq.params] * (ks[j] + 1))
+                q = torch.stack(draft_probs[j])
+                tokens = torch.tensor(drafts[j], device=q.device)
+                emitted[j] = speculative_accept(tokens, q, p, self.sampler.generator_for(seq))
+            self.stats.spec_drafted += ks[j]
+            self.stats.spec_accepted += len(emitted[j]) - 1
+        touched: dict[str, Request] = {}
+        for j, seq in enumerate(seqs):
+            for token in emitted[j]:
+                self._append(seq, token, plain_logprobs.get(j))
+                if seq.is_finished:  # a stop rule inside the accepted run: the rest is dropped
+                    break
+            if not seq.is_finished:
+                # K/V is valid for the verified last token and the accepted drafts
+                seq.num_computed_tokens = base[j] + len(emitted[j]) - 1
+                self.block_manager.commit(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return touched
+
+    def _draft_pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+        """Draft tokens: argmax for greedy requests, else a sample (and its distribution) drawn with the
+        request's generator from the same transformed distribution as the target's."""
+        tokens = logits.argmax(dim=-1).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(seqs)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            dist = sampling_probs(logits[sampled], [seqs[i].params for i in sampled])
+            for row, i in enumerate(sampled):
+                gen = self.sampler.generator_for(seqs[i])
+                tokens[i] = int(torch.multinomial(dist[row], 1, generator=gen))
+                probs[i] = dist[row]
+        return tokens, probs
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)

@@ -198,7 +198,9 @@ class ModelRunner:
         return options, False
 
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, all_logits: bool = False) -> StepInputs:
+        """Flatten ``batch``; ``all_logits``: a logits row for every token of a sequence whose chunk
+        ends its tokens (self-speculation's verify pass), ``sample_seqs`` repeating it per row."""
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -210,8 +212,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             context_lens.append(start)
             if start + n == len(seq):
-                logits_indices.append(len(ids) - 1)
-                sample_seqs.append(seq)
+                rows = range(len(ids) - n, len(ids)) if all_logits else [len(ids) - 1]
+                logits_indices.extend(rows)
+                sample_seqs.extend([seq] * len(rows))
         attn = build_metadata(
             batch.num_tokens,
             context_lens,
@@ -233,10 +236,18 @@ class ModelRunner:
         return self.run(batch, self.prepare(batch))
 
     @torch.no_grad()
-    def run(self, batch: ScheduledBatch, inputs: StepInputs) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run prepared device inputs (``prepare`` or the async engine's input buffers)."""
+    def run(
+        self, batch: ScheduledBatch, inputs: StepInputs, extra_options: dict | None = None
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run prepared device inputs (``prepare`` or the async engine's input buffers).
+
+        ``extra_options`` override the forward options (self-speculation's draft passes); such a
+        batch never replays the graphs captured with the engine-wide options."""
         n = len(batch)
         options, engine_wide = self.step_options(batch, inputs)
+        if extra_options:
+            options.update(extra_options)
+            engine_wide = False
         graphs = self.graph_runner is not None and engine_wide and batch.is_decode_only
         if graphs and self.graph_runner.can_run(batch.total_tokens, n):
             logits = self.graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)

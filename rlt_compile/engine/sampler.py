@@ -29,6 +29,10 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """The request's own generator when seeded, else the engine's shared one."""
+        return self._seq_generator(seq) if seq.params.seed is not None else self.generator
+
     def _seq_generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index)
@@ -93,6 +97,25 @@ class Sampler:
                 entry.setdefault(tid, val)
             out[i] = entry
         return out
+
+
+def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The distribution random sampling draws from, one row per ``params`` entry: temperature,
+    top-k, top-p, then min-p (renormalized). Self-speculation applies it to draft and target rows."""
+    logits = logits.float()
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    scaled = logits / temps[:, None]
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_repetition_penalty(row: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:

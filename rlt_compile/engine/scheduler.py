@@ -28,6 +28,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens computed for each sequence this step
     preempted: list[Sequence] = field(default_factory=list)
+    # self-speculation: seq_id -> draft tokens whose KV slots were reserved this step (decodes only)
+    lookahead: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -51,8 +53,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None):
         self.config = config
+        self.max_model_len = max_model_len
         self.policy = config.scheduling_policy
         self.bm = block_manager
         self.waiting: list[Sequence] = []  # kept sorted by policy key
@@ -89,6 +92,23 @@ class Scheduler:
         batch.preempted.append(seq)
         self.add(seq)
 
+    def lookahead(self, seq: Sequence) -> int:
+        """Draft tokens ``seq`` may speculate this step (0: plain decode).
+
+        Only decodes (one uncomputed token) of requests without logprobs, repetition penalty or
+        per-request depth options speculate; never past ``max_tokens`` or ``max_model_len``.
+        """
+        k = self.config.speculative_num_draft
+        if not k or seq.num_uncomputed_tokens != 1:
+            return 0
+        p = seq.params
+        if p.logprobs is not None or p.repetition_penalty != 1.0 or p.has_depth_options:
+            return 0
+        k = min(k, p.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - len(seq))
+        return max(k, 0)
+
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -99,6 +119,10 @@ class Scheduler:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + n
+            k = self.lookahead(seq)
+            if k and self.bm.can_grow(seq, target + k):
+                self.bm.grow(seq, target + k)  # KV slots for the drafts (rejected ones are overwritten later)
+                batch.lookahead[seq.seq_id] = k
             while not self.bm.can_grow(seq, target):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, batch)
