@@ -68,6 +68,8 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.steps = 0
         self.preemptions = 0
+        self.spec_drafted = 0  # self-speculation (engine speculative_num_draft > 0)
+        self.spec_accepted = 0
         # gauges (snapshots from the engine thread)
         self.num_requests = 0
         self.num_running = 0
@@ -115,6 +117,8 @@ class ServerMetrics:
             self.kv_blocks = bm.num_blocks
             self.prefix_cache_hit_rate = bm.stats.hit_rate
             self.preemptions = engine.stats.preemptions
+            self.spec_drafted = engine.stats.spec_drafted
+            self.spec_accepted = engine.stats.spec_accepted
 
     # -- exposition ----------------------------------------------------------------------------
     def render(self) -> str:
@@ -187,6 +191,24 @@ class ServerMetrics:
             )
             metric("rlt_engine_steps_total", "counter", "Engine steps run.", [({}, self.steps)])
             metric("rlt_preemptions_total", "counter", "Sequences preempted (recompute).", [({}, self.preemptions)])
+            metric(
+                "rlt_spec_draft_tokens_total",
+                "counter",
+                "Self-speculation: draft tokens proposed.",
+                [({}, self.spec_drafted)],
+            )
+            metric(
+                "rlt_spec_accepted_tokens_total",
+                "counter",
+                "Self-speculation: draft tokens accepted by the verify pass.",
+                [({}, self.spec_accepted)],
+            )
+            metric(
+                "rlt_spec_acceptance_rate",
+                "gauge",
+                "Self-speculation: accepted / drafted tokens (0 when nothing was drafted).",
+                [({}, self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0)],
+            )
             histogram("rlt_step_seconds", "Wall time of one engine step.", self.step_seconds)
             histogram(
                 "rlt_time_to_first_token_seconds", "Time from arrival to the first output token.", self.ttft_seconds
