@@ -27,6 +27,8 @@ class KVLayout:
 
 
 class LoopedLM(nn.Module):
+    """Base of every model family: forward over a flat batch and a paged KV cache (module docstring)."""
+
     family: ClassVar[str]
     compile_units: ClassVar[tuple[str, ...]]
     embedding_name: ClassVar[str]  # the input embedding weight that a tied lm_head shares
