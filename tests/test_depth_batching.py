@@ -36,10 +36,12 @@ def reference(model, prompt, n, **policy):
     return tokens
 
 
-def run_batcher(model, prompts, policies, n, stagger=False, pipeline=None):
+def run_batcher(model, prompts, policies, n, stagger=False, pipeline=None, graphs=None):
     blocks = 4
     planes = model.allocate_kv_cache(blocks * len(prompts), 16, fold_steps=True)
     batcher = DepthBatcher(model, planes, 16, pipeline_draft_step=pipeline)
+    if graphs is not None:
+        batcher.capture_graphs(max_rows=3, max_blocks_per_seq=blocks, buckets=[1, 2, 3], use_graphs=graphs)
     out = {}
     pending = list(enumerate(zip(prompts, policies)))
     if not stagger:
@@ -55,7 +57,7 @@ def run_batcher(model, prompts, policies, n, stagger=False, pipeline=None):
                 out[seq].append(token)
             if len(out[seq]) >= n:
                 batcher.remove(seq)
-    return [out[i] for i in range(len(prompts))], batcher.passes if pipeline is None else batcher
+    return [out[i] for i in range(len(prompts))], batcher.passes if pipeline is None and graphs is None else batcher
 
 
 @pytest.mark.parametrize("stagger", [False, True])
@@ -116,3 +118,20 @@ def test_token_pipeline_rejects_threshold_policies(ouro):
     batcher = DepthBatcher(ouro, ouro.allocate_kv_cache(4, 16, fold_steps=True), 16, pipeline_draft_step=0)
     with pytest.raises(ValueError, match="fixed depth"):
         batcher.add(0, PROMPTS[0], [0, 1, 2, 3], exit_threshold=0.5)
+
+
+def test_static_buffer_passes_equal_plain_passes(ouro):
+    """Through the graph runner's static buffers and padded buckets (no graphs on the CPU); 4 rows
+    exceed the largest bucket and run without the runner."""
+    want, _ = run_batcher(ouro, PROMPTS, POLICIES, 6, stagger=True)
+    got, batcher = run_batcher(ouro, PROMPTS, POLICIES, 6, stagger=True, graphs=False, pipeline=None)
+    assert got == want
+    assert batcher.graph_runner.replays > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_passes_equal_plain_passes(tiny_dirs):
+    model = load_model(tiny_dirs["ouro"], device="cuda", load_tokenizer=False)
+    want, _ = run_batcher(model, PROMPTS[:3], POLICIES[:3], 6, stagger=True)
+    got, batcher = run_batcher(model, PROMPTS[:3], POLICIES[:3], 6, stagger=True, graphs=True)
+    assert got == want and batcher.graph_runner.replays > 0

@@ -73,6 +73,30 @@ class DepthBatcher:
         self.passes = 0
         self.pipeline_draft_step = pipeline_draft_step
         self.drafts = self.accepted = 0
+        self.graph_runner = None
+
+    def capture_graphs(self, max_rows: int, max_blocks_per_seq: int, buckets=None, use_graphs=None):
+        """Run passes as one CUDA/HIP graph per padded batch bucket (``rlt_compile.graphs``).
+
+        The per-row steps are data (block-id offsets in the metadata), so a bucket's graph serves
+        any mix of steps; the carried states and step-0 mask live in static buffers the graph
+        reads. ``use_graphs=False`` keeps the static buffers and padding without graphs (CPU).
+        """
+        from rlt_compile.graphs import CudaGraphRunner
+
+        ref = self.folded[0]
+        self._carried = torch.zeros(max_rows, self.model.config.hidden_size, dtype=ref.dtype, device=ref.device)
+        self._is_new = torch.zeros(max_rows, dtype=torch.bool, device=ref.device)
+        runner = CudaGraphRunner(self._graph_step, self.kv_caches, max_rows, max_blocks_per_seq, buckets,
+                                 use_graphs=use_graphs)  # fmt: skip
+        self.graph_runner = runner.capture()
+        return self.graph_runner
+
+    def _graph_step(self, input_ids, positions, kv_caches, attn, logits_indices):
+        """``depth_pass`` in the graph runner's step signature: [rows, hidden + 1] (state | gate)."""
+        n = input_ids.shape[0]
+        out, gates = self.depth_pass(input_ids, self._carried[:n], self._is_new[:n], positions, attn)
+        return torch.cat([out, gates[:, None].to(out.dtype)], dim=-1)
 
     # -- admission -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -120,7 +144,13 @@ class DepthBatcher:
         dtype = self.folded[0].dtype
         carried = torch.stack([r.hidden if r.hidden is not None else torch.zeros(width, dtype=dtype, device=device)
                                for r in rows])  # fmt: skip
-        out, gates = self.depth_pass(tokens, carried, is_new, positions, meta)
+        if self.graph_runner is not None and len(rows) <= self._carried.shape[0]:
+            self._carried[: len(rows)] = carried
+            self._is_new[: len(rows)] = is_new
+            both = self.graph_runner(tokens, positions, meta)
+            out, gates = both[:, :-1], both[:, -1]
+        else:
+            out, gates = self.depth_pass(tokens, carried, is_new, positions, meta)
         self.passes += 1
         exiting = {i for i, r in enumerate(rows) if self._exits(r, gates[i])}
         drafting = {
