@@ -321,7 +321,7 @@ class _Evt:
 
 
 def test_engine_trace_busy_fraction_is_the_union_of_device_intervals():
-    from rlt_compile.bench import STEP_LABEL, analyze_engine_trace
+    from rlt_compile.engine_profile import STEP_LABEL, analyze_engine_trace
 
     events = [
         _Evt(STEP_LABEL, 0, 100),
