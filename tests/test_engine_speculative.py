@@ -146,7 +146,7 @@ def test_small_pool_preempts_or_falls_back_to_plain_decode(models):
     want = tokens(run(engine(model, "nanbeige", num_blocks=64, block_size=4), prompts, params))
     eng = engine(model, "nanbeige", num_blocks=24, block_size=4, speculative_num_draft=4)
     assert tokens(run(eng, prompts, params)) == want
-    assert eng.stats.spec_steps > 0
+    assert eng.stats.spec_steps > 0 and eng.stats.preemptions > 0
 
 
 def test_logprobs_and_penalty_requests_decode_plainly_in_the_same_step(models):
@@ -191,9 +191,36 @@ def test_seeded_sampling_is_reproducible(models):
     assert all(len(t) == 12 for t in first)
 
 
-def test_speculative_sampling_keeps_the_target_distribution(forced):
-    """Forced agreement: draft and target distributions are equal, so every sampled draft is accepted
-    and each token follows the target's top-k distribution."""
+def _joint_two_tokens(model, seed: int, samples: int, **options) -> dict[tuple[int, int], float]:
+    """Empirical distribution of the first two sampled tokens (the second one is speculative)."""
+    eng = engine(model, num_blocks=samples * 2 + 16, block_size=4, max_num_seqs=samples, **options)
+    params = SamplingParams(n=samples, temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True, seed=seed)
+    eng.add_request(None, [5, 6, 7], params)
+    outs = eng.run_to_completion()["0"].outputs
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    counts: dict[tuple[int, int], float] = {}
+    for o in outs:
+        key = tuple(o.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1 / samples
+    return counts, eng.stats
+
+
+def test_rejection_sampling_in_the_engine_keeps_the_target_distribution(models):
+    """The random tiny Ouro's draft (1 step) and target (4 steps) distributions barely overlap
+    (acceptance ~0.1), so emitting draft samples would move the joint distribution of the first two
+    tokens by a total variation near 0.9; rejection sampling must stay within sampling noise of
+    plain decoding (expected ~0.07 at 600 samples per side)."""
+    samples = 600
+    plain, _ = _joint_two_tokens(models["ouro"], 0, samples)
+    spec, stats = _joint_two_tokens(models["ouro"], 10_000, samples, speculative_num_draft=1)
+    assert stats.spec_drafted > samples // 2 and stats.spec_acceptance_rate < 0.5
+    keys = set(plain) | set(spec)
+    total_variation = sum(abs(plain.get(k, 0) - spec.get(k, 0)) for k in keys) / 2
+    assert total_variation < 0.2, (total_variation, plain, spec)
+
+
+def test_sampled_drafts_all_accepted_when_draft_equals_target(forced):
+    """Forced agreement: draft and target distributions are equal, so every sampled draft is accepted."""
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=6, ignore_eos=True, seed=0)
     eng = engine(forced, speculative_num_draft=3, speculative_draft_steps=2)
     out = run(eng, [[5, 6, 7]], params)[0]
