@@ -121,6 +121,12 @@ class Platform:
     def supports_graphs(self) -> bool:
         return self.is_gpu
 
+    @property
+    def compact_attention_tiles(self) -> bool:
+        """Prefill attention needs the smaller 16-bit tile: on gfx90a/gfx942 the 128x64 tile spills
+        VGPRs (AOT report, tests/test_rocm_aot.py); gfx950 and NVIDIA GPUs take the larger one."""
+        return self.kind == "rocm" and self.arch.split(":")[0] in ("gfx90a", "gfx942")
+
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.device_type, index) if self.is_gpu else torch.device("cpu")
 

@@ -116,6 +116,14 @@ def test_sm90_registers_and_spills_are_recorded(reports, record_property):
         assert r.shared is not None
 
 
+def test_no_register_spills_on_any_target(reports):
+    """Every specialisation fits its target's registers (gfx942 takes Platform.compact_attention_tiles)."""
+    spilled = [
+        (t, r.spec.short_name, r.spec.dtypes(), r.n_spills) for t, rs in reports.items() for r in rs if r.n_spills
+    ]
+    assert not spilled, spilled
+
+
 def test_amd_register_metadata_is_recorded(reports):
     for target in ("gfx942", "gfx950"):
         for r in reports[target]:

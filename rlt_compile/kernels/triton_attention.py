@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlt_compile import platform as _platform
+
 __all__ = [
     "attention_triton",
     "choose_num_splits",
@@ -392,8 +394,10 @@ def choose_num_splits(
     return max(1, min(splits, _MAX_SPLITS))
 
 
-def _tile_config(interpret: bool, decode_like: bool, group_p: int, block_d: int, dtype: torch.dtype) -> dict:
-    """Tile sizes; every choice depends on shapes and dtypes only."""
+def _tile_config(
+    interpret: bool, decode_like: bool, group_p: int, block_d: int, dtype: torch.dtype, compact: bool = False
+) -> dict:
+    """Tile sizes; every choice depends on shapes, dtypes and the platform kind only."""
     # Checked offline with ptxas -v (sm_90, no spills for head_dim <= 128) and for gfx942 (<= 64 KiB LDS).
     if interpret:  # small tiles keep the interpreter fast and exercise the tile loops in tests
         block_m, block_n, warps, stages = (16 if decode_like else 32), 16, 4, 1
@@ -401,6 +405,8 @@ def _tile_config(interpret: bool, decode_like: bool, group_p: int, block_d: int,
         block_m, block_n, warps, stages = 16, (32 if block_d <= 128 else 16), 8, 2
     elif decode_like:
         block_m, block_n, warps, stages = 16, (64 if block_d <= 128 else 32), 4, 3
+    elif compact:  # Platform.compact_attention_tiles: the 128x64 tile spills VGPRs on gfx90a/gfx942
+        block_m, block_n, warps, stages = 64, (64 if block_d <= 128 else 32), 4, 2
     else:
         big = block_d <= 128
         block_m, block_n, warps, stages = (128 if big else 64), (64 if big else 32), (8 if big else 4), 2
@@ -446,7 +452,8 @@ def paged_attention_triton(
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     decode_like = num_tokens == num_seqs
-    cfg = _tile_config(interpret, decode_like, group_p, block_d, kv_cache.dtype)
+    compact = not interpret and _platform.current_platform().compact_attention_tiles
+    cfg = _tile_config(interpret, decode_like, group_p, block_d, kv_cache.dtype, compact)
 
     if split_k is None:
         num_splits = choose_num_splits(
