@@ -72,16 +72,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        compile=args.compile,
-        use_cuda_graphs=args.cuda_graphs,
-        model_options=dict(args.model_option),
-        max_num_seqs=1,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    try:
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            compile=args.compile,
+            use_cuda_graphs=args.cuda_graphs,
+            model_options=dict(args.model_option),
+            max_num_seqs=1,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except ValueError as e:  # CheckpointError, an unknown model_type, a bad engine option
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     load_s = time.perf_counter() - t0
     try:
         if args.chat:
