@@ -141,6 +141,17 @@ def test_completion_token_ids_prompt_batch_and_n(client, offline):
     assert r.usage.completion_tokens == 20
 
 
+def test_depth_options_pass_through_to_the_engine(client, offline, http):
+    """Looped-model extensions: an Ouro exit policy per request, same as offline; bad ones are 400s."""
+    depth = {"exit_policy": "fixed", "exit_step": 0, "ignore_eos": True}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=depth)
+    want = offline_text(offline, PROMPT, max_tokens=6, temperature=0, **depth)
+    assert r.choices[0].text == want
+    assert want != offline_text(offline, PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "exit_policy": "fixed"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "exit_step"
+
+
 def test_chat_matches_offline(client, offline):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     want = offline.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]

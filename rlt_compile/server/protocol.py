@@ -8,7 +8,9 @@ their ``*.chunk`` streaming forms).
 
 Extensions beyond the OpenAI fields (vLLM-style): ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
-``include_stop_str_in_output`` and ``priority`` (lower runs first under the priority policy).
+``include_stop_str_in_output``, ``priority`` (lower runs first under the priority policy), and the
+looped-model depth options ``exit_policy``, ``exit_step``, ``exit_threshold`` (Ouro) and
+``num_steps`` (Huginn recurrences) of docs/depth.md.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    exit_policy: str | None = None
+    exit_step: int | None = None
+    exit_threshold: float | None = None
+    num_steps: int | None = None
 
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming the bad field."""
@@ -63,6 +69,10 @@ class _SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            "exit_policy": self.exit_policy,
+            "exit_step": self.exit_step,
+            "exit_threshold": self.exit_threshold,
+            "num_steps": self.num_steps,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
