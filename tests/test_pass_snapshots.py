@@ -1,0 +1,176 @@
+"""Before/after snapshots of each FX pass on the smallest graph that has its pattern.
+
+Graph only: Dynamo captures the function on the CPU with a recording backend, then one pass runs
+for a mock Platform. ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_pass_snapshots.py``
+refreshes the literals; review the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import expecttest
+import torch
+import torch.nn.functional as F
+
+import rlt_compile.kernels  # noqa: F401  (registers torch.ops.rlt.*)
+from rlt_compile.passes.manager import PassContext, PassManager, build_passes, format_graph
+from rlt_compile.platform import Platform
+
+
+def capture(fn, *args):
+    """(graph, the real tensors of its inputs) as our torch.compile backend would receive them."""
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(fn, backend=record, fullgraph=True, dynamic=False)(*args)
+    (captured,) = seen
+    return captured
+
+
+def before_after(captured, passes: list[str], kind: str) -> str:
+    gm, inputs = copy.deepcopy(captured[0]), captured[1]
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        records = PassManager(build_passes(passes)).run(gm, PassContext(Platform.mock(kind), example_inputs=inputs))
+    finally:
+        torch.set_float32_matmul_precision(old)
+    log = "".join(f"# {r.pass_name}: {r.message}\n" for r in records)
+    return f"# before\n{format_graph(captured[0], asserts=False)}# after\n{log}{format_graph(gm, asserts=False)}"
+
+
+def attention_call(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+    out = torch.ops.rlt.attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, 0.25)
+    return out * 2
+
+
+def attention_inputs():
+    from rlt_compile.kernels.metadata import build_metadata
+
+    q, k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    return (q, k, v, torch.zeros(2, 2, 16, 2, 16), *build_metadata([3], [0], [[1]], 16))
+
+
+class QKV(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, n, bias=False) for n in (8, 4, 4))
+
+    def forward(self, x):
+        return F.silu(self.q(x)) + self.k(x).repeat(1, 2) * self.v(x).repeat(1, 2)
+
+
+class TestPassSnapshots(expecttest.TestCase):
+    maxDiff = None
+
+    def test_attention_swap_cuda(self):
+        captured = capture(attention_call, *attention_inputs())
+        self.assertExpectedInline(
+            before_after(captured, ["attention_swap"], "cuda"),
+            """\
+# before
+input q
+input k
+input v
+input kv_cache
+input slot_mapping
+input block_tables
+input seq_lens
+input query_start_loc
+out = rlt.attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, 0.25)
+mul = mul(out, 2)
+return (mul,)
+# after
+# attention_swap: 1 nodes rlt.attention -> rlt.attention_triton (backend 'triton' on cuda)
+input q
+input k
+input v
+input kv_cache
+input slot_mapping
+input block_tables
+input seq_lens
+input query_start_loc
+out = rlt.attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, 0.25, 'ieee')
+mul = mul(out, 2)
+return (mul,)
+""",
+        )
+
+    def test_dot_precision_rocm(self):
+        captured = capture(attention_call, *attention_inputs())
+        self.assertExpectedInline(
+            before_after(captured, ["attention_swap", "dot_precision"], "rocm"),
+            """\
+# before
+input q
+input k
+input v
+input kv_cache
+input slot_mapping
+input block_tables
+input seq_lens
+input query_start_loc
+out = rlt.attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, 0.25)
+mul = mul(out, 2)
+return (mul,)
+# after
+# attention_swap: 1 nodes rlt.attention -> rlt.attention_triton (backend 'triton' on rocm)
+# dot_precision: rlt.attention_triton on rocm: 1 nodes (float32 cache) precision='ieee'
+input q
+input k
+input v
+input kv_cache
+input slot_mapping
+input block_tables
+input seq_lens
+input query_start_loc
+out = rlt.attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, 0.25, 'ieee')
+mul = mul(out, 2)
+return (mul,)
+""",
+        )
+
+    def test_fuse_linears_cpu(self):
+        torch.manual_seed(0)
+        module = QKV()
+        captured = capture(module, torch.randn(3, 8))
+        self.assertExpectedInline(
+            before_after(captured, ["fuse_linears"], "cpu"),
+            """\
+# before
+input q.weight
+input x
+input k.weight
+input v.weight
+linear = torch.nn.functional.linear(x, q.weight, None)
+silu = torch.nn.functional.silu(linear)
+linear_1 = torch.nn.functional.linear(x, k.weight, None)
+repeat = linear_1.repeat(1, 2)
+linear_2 = torch.nn.functional.linear(x, v.weight, None)
+repeat_1 = linear_2.repeat(1, 2)
+mul = mul(repeat, repeat_1)
+add = add(silu, mul)
+return (add,)
+# after
+# fuse_linears: 3 linears -> 1 fused GEMMs (weights concatenated once, params re-pointed to views)
+input q.weight
+input x
+input k.weight
+input v.weight
+_rlt_fused_linear_0 = getattr('_rlt_fused_linear_0')
+linear_3 = torch.nn.functional.linear(x, _rlt_fused_linear_0, None)
+narrow = torch.narrow(linear_3, -1, 0, 8)
+narrow_1 = torch.narrow(linear_3, -1, 8, 4)
+narrow_2 = torch.narrow(linear_3, -1, 12, 4)
+silu = torch.nn.functional.silu(narrow)
+repeat = narrow_1.repeat(1, 2)
+repeat_1 = narrow_2.repeat(1, 2)
+mul = mul(repeat, repeat_1)
+add = add(silu, mul)
+return (add,)
+""",
+        )
