@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
+    p.add_argument("--async-scheduling", action="store_true", help="prepare step n+1 while step n runs")
+    p.add_argument("--speculative-num-draft", type=int, default=None, help="self-speculation: drafts per step")
+    p.add_argument("--speculative-draft-steps", type=int, default=None, help="self-speculation: draft loop steps")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -66,12 +69,16 @@ def engine_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization",
         "scheduling_policy",
         "seed",
+        "speculative_num_draft",
+        "speculative_draft_steps",
     ):
         value = getattr(args, name)
         if value is not None:
             options[name] = value
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.async_scheduling:
+        options["async_scheduling"] = True
     return options
 
 

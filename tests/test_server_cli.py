@@ -37,6 +37,10 @@ def test_cli_options_map_to_engine_config():
             "--no-prefix-caching",
             "--model-option",
             "exit_at_step=2",
+            "--speculative-num-draft",
+            "3",
+            "--speculative-draft-steps",
+            "1",
         ]
     )
     options = engine_options(args)
@@ -44,7 +48,13 @@ def test_cli_options_map_to_engine_config():
     assert options["device"] == "cpu" and options["dtype"] == "float32"
     assert options["enable_prefix_caching"] is False
     assert options["model_options"] == {"exit_at_step": 2}
+    assert options["speculative_num_draft"] == 3 and options["speculative_draft_steps"] == 1
     assert "num_blocks" not in options  # only what was given
+    from rlt_compile.engine import EngineConfig
+
+    config, rest = EngineConfig.split_options({k: v for k, v in options.items() if k not in ("device", "dtype")})
+    assert not rest and config.speculative_num_draft == 3
+    assert engine_options(build_parser().parse_args(["--model", "m", "--async-scheduling"]))["async_scheduling"]
 
 
 def test_serve_process_streams_and_shuts_down_gracefully(tiny_dirs):
