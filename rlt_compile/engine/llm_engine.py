@@ -12,6 +12,12 @@ drafts up to K tokens per sequence with the model's first ``speculative_draft_st
 draft passes), verifies them with one full-depth varlen pass (K + 1 tokens per sequence) and keeps
 the longest agreeing prefix plus the target's token (greedy) or the rejection-sampling result
 (sampled), so the output equals (greedy) or is distributed as (sampled) plain decoding.
+
+With ``depth_batching=True`` (Ouro, docs/depth.md) prefill chunks run as above, at full depth, and every
+decode token is an in-flight row of a ``DepthBatcher`` on the step-folded KV cache: one engine step
+advances each row by one loop step, a row leaves at its own exit step (the request's exit policy or the
+engine's ``model_options``) and only exiting rows are sampled (the same sampler and stop rules); its
+sequence's next token joins at step 0 in the next engine step, when its KV slot is allocated.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from rlt_compile.engine.sampling_params import SamplingParams
 from rlt_compile.engine.scheduler import ScheduledBatch, Scheduler
 from rlt_compile.engine.sequence import Sequence
 from rlt_compile.models.base import LoopedLM
+from rlt_compile.models.depth_batching import DepthBatcher
 from rlt_compile.models.speculative import draft_options, speculative_accept
 
 log = logging.getLogger(__name__)
@@ -65,6 +72,7 @@ class EngineStats:
     spec_steps: int = 0  # steps that ran self-speculation (draft passes + one verify pass)
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens the verify pass accepted
+    depth_passes: int = 0  # depth batching: passes of the shared stack over the in-flight decode rows
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -107,6 +115,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager, max_len)
         self.runner = ModelRunner(model, self.config, num_blocks, max_len)
         self.draft_options = self._draft_options() if self.config.speculative_num_draft else None
+        self.depth = self._depth_batcher() if self.config.depth_batching else None
         self.sampler = Sampler(device, self.config.seed)
         self.eos_token_ids = collect_eos_ids(model, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -131,6 +140,27 @@ class LLMEngine:
                 f"speculative_draft_steps: {d} exceeds the {self.runner.cache_steps} loop steps of the KV cache"
             )
         return options
+
+    def _depth_batcher(self) -> DepthBatcher:
+        """The continuous depth batcher over the runner's step-folded cache (ValueError for unusable settings)."""
+        family = self.model.family
+        if family != "ouro":
+            raise ValueError(f"depth_batching: needs an Ouro model (an exit gate); this is {family}")
+        options = self.config.model_options
+        layout = options.get("kv_layout", "last-exited")
+        if layout != "last-exited":
+            raise ValueError(f"depth_batching: decode uses kv_layout='last-exited', got {layout!r}")
+        steps = options.get("num_steps")
+        if steps is not None and steps != self.model.config.total_ut_steps:
+            raise ValueError(
+                f"depth_batching: model_options['num_steps']={steps} differs from the model's "
+                f"{self.model.config.total_ut_steps} loop steps"
+            )
+        batcher = DepthBatcher(self.model, self.runner.kv_caches, self.config.block_size)
+        if self.config.use_cuda_graphs:
+            blocks = -(-self.max_model_len // self.config.block_size)
+            batcher.capture_graphs(self.config.max_num_seqs, blocks, buckets=self.config.cuda_graph_buckets)
+        return batcher
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -203,6 +233,8 @@ class LLMEngine:
         if self.async_scheduler is not None:
             self.async_scheduler.forget(request)
         for seq in request.seqs:
+            if self.depth is not None:
+                self.depth.remove(seq.seq_id)
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -222,11 +254,16 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
+        if self.depth is not None:
+            for seq in batch.preempted:  # recomputed later from prompt + output
+                self.depth.remove(seq.seq_id)
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running and not batch.preempted:
                 raise RuntimeError("the scheduler cannot admit any waiting sequence (KV pool too small?)")
             return outputs
-        if self._speculates(batch):
+        if self.depth is not None:
+            touched = self._depth_step(batch)
+        elif self._speculates(batch):
             touched = self._speculative_step(batch)
         else:
             touched = self._plain_step(batch)
@@ -252,6 +289,48 @@ class LLMEngine:
             for seq, token, logprobs in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, logprobs)
                 touched[seq.request_id] = self.requests[seq.request_id]
+        return touched
+
+    # -- continuous depth batching -------------------------------------------------------------
+    def _depth_row(self, seq: Sequence, n: int) -> bool:
+        """Whether ``seq`` decodes through the depth batcher this step (in flight, or its one
+        uncomputed token is an output token)."""
+        if self.depth.has(seq.seq_id):
+            return True
+        return n == 1 and seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+    def _depth_step(self, batch: ScheduledBatch) -> dict[str, Request]:
+        """Prefill chunks through the runner (full depth); one loop step for every decode row."""
+        prefill, rows = ScheduledBatch(), []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if self._depth_row(seq, n):
+                rows.append(seq)
+            else:
+                prefill.add(seq, n)
+        touched = self._plain_step(prefill) if prefill.seqs else {}
+        if not prefill.seqs:
+            self.stats.steps += 1
+        if not rows:
+            return touched
+        for seq in rows:
+            if not self.depth.has(seq.seq_id):  # joins at step 0; the scheduler allocated its slot
+                fixed, threshold = self.runner.ouro_exit(seq.params)
+                self.depth.join(seq.seq_id, seq.token_ids[-1], len(seq) - 1, seq.block_table, fixed, threshold)
+        exited_ids, logits = self.depth.advance([seq.seq_id for seq in rows])
+        self.stats.depth_passes += 1
+        if not exited_ids:
+            return touched
+        by_id = {seq.seq_id: seq for seq in rows}
+        exited = [by_id[i] for i in exited_ids]
+        for seq in exited:
+            # K/V of every step is in place (the exit step's copied into the later ones). Such blocks
+            # are not registered in the prefix cache: their K/V is not the full-depth prefill's.
+            seq.num_computed_tokens += 1
+            self.stats.decode_tokens += 1
+        sampled = self.sampler(logits, exited)
+        for seq, token, logprobs in zip(exited, sampled.token_ids, sampled.logprobs):
+            self._append(seq, token, logprobs)
+            touched[seq.request_id] = self.requests[seq.request_id]
         return touched
 
     # -- self-speculative decoding -------------------------------------------------------------

@@ -94,11 +94,18 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model_options = dict(config.model_options)
+        if config.depth_batching:  # the runner only prefills (full depth); decode runs in the DepthBatcher
+            self.model_options.pop("kv_layout", None)
         self.kv_caches = model.allocate_kv_cache(
-            num_blocks, config.block_size, max_steps=kv_steps(model, self.model_options)
+            num_blocks,
+            config.block_size,
+            max_steps=kv_steps(model, self.model_options),
+            fold_steps=config.depth_batching,
         )
         self.step_fn = self._build_step_fn()
-        self.graph_runner = self._build_graph_runner() if config.use_cuda_graphs else None
+        # with depth batching the DepthBatcher captures the decode graphs (LLMEngine)
+        use_graphs = config.use_cuda_graphs and not config.depth_batching
+        self.graph_runner = self._build_graph_runner() if use_graphs else None
 
     def _build_step_fn(self):
         if not self.config.compile:
@@ -156,6 +163,24 @@ class ModelRunner:
         if params.exit_step is not None and params.exit_step >= steps:
             raise ValueError(f"exit_step: must be < {steps} loop steps, got {params.exit_step}")
 
+    def ouro_exit(self, params) -> tuple[int, float]:
+        """Ouro exit policy of a request as (fixed step, -1 = none; threshold, inf = none): its own
+        ``exit_policy`` or the engine's ``model_options``, else the model config."""
+        options, cfg = self.model_options, self.model.config
+        steps = options.get("num_steps") or cfg.total_ut_steps
+        if params.exit_policy == "full":
+            f, t = steps - 1, None
+        elif params.exit_policy == "fixed":
+            f, t = params.exit_step, None
+        elif params.exit_policy == "threshold":
+            f, t = None, params.exit_threshold if params.exit_threshold is not None else cfg.early_exit_threshold
+        else:
+            f, t = (
+                options.get("exit_at_step", cfg.early_exit_step),
+                options.get("exit_threshold", cfg.early_exit_threshold),
+            )
+        return (-1 if f is None else f), (float("inf") if t is None else t)
+
     def step_options(self, batch: ScheduledBatch, inputs: StepInputs) -> tuple[dict, bool]:
         """Forward options for this batch and whether they are the engine-wide ones (graph-safe)."""
         options = dict(self.model_options)
@@ -169,22 +194,10 @@ class ModelRunner:
         dev = self.device
         if self.model.family == "ouro":
             fixed, threshold = [], []
-            cfg = self.model.config
-            steps = options.get("num_steps") or cfg.total_ut_steps
-            default_fixed = options.get("exit_at_step", cfg.early_exit_step)
-            default_threshold = options.get("exit_threshold", cfg.early_exit_threshold)
             for seq in inputs.sample_seqs:
-                p = seq.params
-                if p.exit_policy == "full":
-                    f, t = steps - 1, None
-                elif p.exit_policy == "fixed":
-                    f, t = p.exit_step, None
-                elif p.exit_policy == "threshold":
-                    f, t = None, p.exit_threshold if p.exit_threshold is not None else cfg.early_exit_threshold
-                else:
-                    f, t = default_fixed, default_threshold
-                fixed.append(-1 if f is None else f)
-                threshold.append(float("inf") if t is None else t)
+                f, t = self.ouro_exit(seq.params)
+                fixed.append(f)
+                threshold.append(t)
             options["exit_at_step"] = torch.tensor(fixed, dtype=torch.long, device=dev)
             options["exit_threshold"] = torch.tensor(threshold, dtype=torch.float32, device=dev)
         elif self.model.family == "huginn":

@@ -103,6 +103,7 @@ class DepthBatcher:
     def add(self, seq_id: int, prompt: list[int], table: list[int], exit_at_step=None, exit_threshold=None) -> int:
         """Prefill ``prompt`` at full depth; its first token (read at the policy's exit step) joins
         the batch at step 0. Returns that first token."""
+        self._check_policy(exit_threshold)
         device = self.kv_caches[0].device
         meta = step_metadata([len(prompt)], [0], [table], [0], 0, self.block_size, device)
         last = torch.tensor([len(prompt) - 1], device=device)
@@ -110,10 +111,28 @@ class DepthBatcher:
         logits = self.model(ids, torch.arange(len(prompt), device=device), self.kv_caches, meta, last,
                             exit_at_step=exit_at_step, exit_threshold=exit_threshold)  # fmt: skip
         token = int(logits[0].argmax())
+        self.join(seq_id, token, len(prompt), table, exit_at_step, exit_threshold)
+        return token
+
+    def join(self, seq_id: int, token: int, position: int, table: list[int], exit_at_step=None, exit_threshold=None):
+        """Add an in-flight row at step 0 for a sequence whose positions ``< position`` are cached
+        (every loop step's plane filled): ``token`` at ``position``, its slot already in ``table``.
+
+        ``exit_at_step`` -1 and ``exit_threshold`` inf mean "none" (the engine's per-request policy
+        resolution); None falls back to the model config like the model's forward."""
+        self._check_policy(exit_threshold)
+        if any(r.seq_id == seq_id for r in self.rows):
+            raise ValueError(f"sequence {seq_id} already has a token in flight")
+        row = DepthRow(seq_id, table, position, token, exit_at_step, exit_threshold)
+        self.rows.append(row)
+        return row
+
+    def _check_policy(self, exit_threshold) -> None:
         if self.pipeline_draft_step is not None and exit_threshold is not None:
             raise ValueError("the token pipeline needs a fixed depth per sequence (exit_at_step or full depth)")
-        self.rows.append(DepthRow(seq_id, table, len(prompt), token, exit_at_step, exit_threshold))
-        return token
+
+    def has(self, seq_id: int) -> bool:
+        return any(r.seq_id == seq_id for r in self.rows)
 
     def remove(self, seq_id: int) -> None:
         self.rows = [r for r in self.rows if r.seq_id != seq_id]
@@ -126,12 +145,8 @@ class DepthBatcher:
         out = self.model.loop_step(h, cos, sin, self.folded, meta)
         return out, self.model.model.early_exit_gate(out).squeeze(-1)
 
-    @torch.no_grad()
-    def step(self) -> list[tuple[int, int]]:
-        """One pass over all in-flight rows; returns the (seq_id, token) pairs that became final."""
-        rows = list(self.rows)
-        if not rows:
-            return []
+    def _run_pass(self, rows: list[DepthRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the shared stack over ``rows`` (each at its own step): (states, gate logits)."""
         device = self.kv_caches[0].device
         meta = step_metadata(
             [1] * len(rows), [r.position for r in rows], [r.table for r in rows], [r.step for r in rows],
@@ -152,6 +167,40 @@ class DepthBatcher:
         else:
             out, gates = self.depth_pass(tokens, carried, is_new, positions, meta)
         self.passes += 1
+        return out, gates
+
+    @torch.no_grad()
+    def advance(self, seq_ids=None) -> tuple[list[int], torch.Tensor | None]:
+        """One pass over the rows of ``seq_ids`` (default: all) without continuing any sequence:
+        the engine's depth-batching step. Exiting rows fill their skipped steps' K/V and leave the
+        batch; returns (their seq ids, fp32 logits [exits, V]) for the caller to sample from, and
+        joins the next tokens itself (``join``). Needs no token pipeline."""
+        if self.pipeline_draft_step is not None:
+            raise ValueError("advance() drives rows without the token pipeline")
+        wanted = None if seq_ids is None else set(seq_ids)
+        rows = [r for r in self.rows if wanted is None or r.seq_id in wanted]
+        if not rows:
+            return [], None
+        out, gates = self._run_pass(rows)
+        exiting = [i for i, r in enumerate(rows) if self._exits(r, gates[i])]
+        for i, row in enumerate(rows):
+            if i in exiting:
+                self._fill_later_steps(row)
+                self.rows.remove(row)
+            else:
+                row.step += 1
+                row.hidden = out[i]
+        if not exiting:
+            return [], None
+        return [rows[i].seq_id for i in exiting], self.model.lm_head(out[exiting]).float()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, int]]:
+        """One pass over all in-flight rows; returns the (seq_id, token) pairs that became final."""
+        rows = list(self.rows)
+        if not rows:
+            return []
+        out, gates = self._run_pass(rows)
         exiting = {i for i, r in enumerate(rows) if self._exits(r, gates[i])}
         drafting = {
             i for i, r in enumerate(rows)
