@@ -1,7 +1,7 @@
-"""The engine's continuous depth batching (``EngineConfig(depth_batching=True)``, Ouro): decode tokens
-advance one loop step per engine step and exit at their own step. Batched == alone == the model-level
-last-exited reference (fp32, greedy), fewer steps for shallow exits, no block leak under preemption
-and abort, seeded sampling reproducible, unsupported combinations rejected."""
+"""The engine's continuous depth batching (``EngineConfig(depth_batching=True)``, Ouro and Huginn):
+decode tokens advance one loop step per engine step and exit at their own step. Batched == alone ==
+the model-level last-exited reference (fp32, greedy), fewer steps for shallow exits, no block leak
+under preemption and abort, seeded sampling reproducible, unsupported combinations rejected."""
 
 from __future__ import annotations
 
@@ -167,15 +167,91 @@ def test_unsupported_combinations_raise(tiny_dirs, ouro):
         EngineConfig(depth_batching=True, async_scheduling=True)
     with pytest.raises(ValueError, match="depth_batching.*speculati"):
         EngineConfig(depth_batching=True, speculative_num_draft=2)
-    for family in ("nanbeige", "huginn"):
-        model = load_model(tiny_dirs[family], load_tokenizer=False)
-        with pytest.raises(ValueError, match="depth_batching: needs an Ouro model"):
-            LLMEngine(model, num_blocks=8, depth_batching=True)
+    nanbeige = load_model(tiny_dirs["nanbeige"], load_tokenizer=False)
+    with pytest.raises(ValueError, match="depth_batching: needs an Ouro or Huginn model"):
+        LLMEngine(nanbeige, num_blocks=8, depth_batching=True)
+    huginn = load_model(tiny_dirs["huginn"], load_tokenizer=False)
+    with pytest.raises(ValueError, match="latent-diff"):
+        LLMEngine(
+            huginn, num_blocks=8, depth_batching=True, model_options={"exit_criterion": "kl", "exit_threshold": 1}
+        )
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        LLMEngine(huginn, num_blocks=8, depth_batching=True, use_cuda_graphs=True)
     for layout in ("delayed", "shared"):
         with pytest.raises(ValueError, match="depth_batching: decode uses kv_layout"):
             LLMEngine(ouro, num_blocks=8, depth_batching=True, model_options={"kv_layout": layout})
     with pytest.raises(ValueError, match="num_steps"):
         LLMEngine(ouro, num_blocks=8, depth_batching=True, model_options={"num_steps": 2})
+
+
+# -- Huginn: recurrences per request, adaptive exit -------------------------------------------------
+HUGINN_PROMPTS = PROMPTS[:6]
+
+
+def huginn_reference(model, prompt, n, num_steps=4, exit_threshold=None, min_steps=1):
+    """One sequence, token by token, through the model's own path (as tests/test_huginn_depth.py)."""
+    blocks = -(-(len(prompt) + n) // 16)
+    planes = model.allocate_kv_cache(blocks, 16, max_steps=4)
+    table = [list(range(blocks))]
+    meta = build_metadata([len(prompt)], [0], table, 16)
+    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, torch.tensor([len(prompt) - 1]),
+                   num_steps=num_steps, init_scale=0.0)  # fmt: skip
+    tokens = [int(logits[0].argmax())]
+    adaptive = {"exit_criterion": "latent-diff", "exit_threshold": exit_threshold, "min_steps": min_steps}
+    for i in range(n - 1):
+        pos = len(prompt) + i
+        meta = build_metadata([1], [pos], table, 16)
+        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, num_steps=num_steps,
+                       init_scale=0.0, **(adaptive if exit_threshold else {}))  # fmt: skip
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def huginn(tiny_dirs):
+    return load_model(tiny_dirs["huginn"], load_tokenizer=False)
+
+
+def test_huginn_per_request_recurrences_batched_equal_alone_and_the_reference(huginn):
+    llm = LLM(huginn, num_blocks=64, depth_batching=True, model_options={"init_scale": 0.0})
+    counts = [2, 4, 1, 3, 4, 2]
+    params = [greedy(num_steps=r) for r in counts]
+    batched = run(llm, HUGINN_PROMPTS, params)
+    for prompt, p, r, tokens in zip(HUGINN_PROMPTS, params, counts, batched):
+        want = huginn_reference(huginn, prompt, N, num_steps=r)
+        assert tokens == want
+        assert run(llm, [prompt], p) == [want]
+
+
+def test_huginn_adaptive_exit_equals_the_reference(huginn):
+    adaptive = {"exit_criterion": "latent-diff", "exit_threshold": 0.65, "min_steps": 2}
+    llm = LLM(huginn, num_blocks=64, depth_batching=True, model_options={"init_scale": 0.0, **adaptive})
+    counts = [4, 3, 4, 4]
+    batched = run(llm, HUGINN_PROMPTS[:4], [greedy(num_steps=r) for r in counts])
+    assert llm.engine.depth.early_exits > 0
+    want = [
+        huginn_reference(huginn, p, N, num_steps=r, exit_threshold=0.65, min_steps=2)
+        for p, r in zip(HUGINN_PROMPTS[:4], counts)
+    ]
+    assert batched == want
+
+
+def test_huginn_fewer_recurrences_take_fewer_engine_steps(huginn):
+    llm = LLM(huginn, num_blocks=64, depth_batching=True, model_options={"init_scale": 0.0})
+    n = 4
+    for r in (1, 4):
+        before = llm.engine.stats.steps
+        run(llm, HUGINN_PROMPTS[:4], greedy(n, num_steps=r))
+        assert llm.engine.stats.steps - before == 1 + r * (n - 1)
+
+
+def test_huginn_preemption_with_a_small_pool(huginn):
+    params = greedy(num_steps=4)
+    big = LLM(huginn, num_blocks=64, depth_batching=True, model_options={"init_scale": 0.0})
+    small = LLM(huginn, num_blocks=12, block_size=4, depth_batching=True, enable_prefix_caching=False,
+                model_options={"init_scale": 0.0})  # fmt: skip
+    assert run(small, HUGINN_PROMPTS, params) == run(big, HUGINN_PROMPTS, params)
+    assert small.engine.stats.preemptions > 0
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@
 ``model_options`` are passed to every model forward (Huginn ``num_steps`` / ``init_scale``,
 Ouro ``exit_at_step`` ...). ``speculative_num_draft`` (K > 0) turns on synchronous self-speculative
 decoding with ``speculative_draft_steps`` (d) draft loop steps; it cannot be combined with
-``async_scheduling`` (ValueError). ``depth_batching=True`` (Ouro) runs decode through continuous depth
+``async_scheduling`` (ValueError). ``depth_batching=True`` (Ouro, Huginn) runs decode through continuous depth
 batching (``models/depth_batching.py``, docs/depth.md): each engine step advances every in-flight
 token by one loop step and a token leaves at its own exit step; it cannot be combined with
 ``async_scheduling`` or ``speculative_num_draft`` (ValueError).
@@ -43,7 +43,7 @@ class EngineConfig:
     # steps, verify them in one full-depth pass. 0 = off.
     speculative_num_draft: int = 0
     speculative_draft_steps: int = 1
-    # Continuous depth batching (Ouro, docs/depth.md): decode tokens advance one loop step per engine
+    # Continuous depth batching (Ouro, Huginn; docs/depth.md): decode tokens advance one loop step per engine
     # step on a step-folded KV cache and exit at their own step ("last-exited" KV layout).
     depth_batching: bool = False
 

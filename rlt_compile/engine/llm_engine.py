@@ -13,11 +13,12 @@ draft passes), verifies them with one full-depth varlen pass (K + 1 tokens per s
 the longest agreeing prefix plus the target's token (greedy) or the rejection-sampling result
 (sampled), so the output equals (greedy) or is distributed as (sampled) plain decoding.
 
-With ``depth_batching=True`` (Ouro, docs/depth.md) prefill chunks run as above, at full depth, and every
-decode token is an in-flight row of a ``DepthBatcher`` on the step-folded KV cache: one engine step
-advances each row by one loop step, a row leaves at its own exit step (the request's exit policy or the
-engine's ``model_options``) and only exiting rows are sampled (the same sampler and stop rules); its
-sequence's next token joins at step 0 in the next engine step, when its KV slot is allocated.
+With ``depth_batching=True`` (Ouro, Huginn; docs/depth.md) prefill chunks run as above, at full depth,
+and every decode token is an in-flight row of a ``DepthBatcher`` (``HuginnDepthBatcher``) on the
+step-folded KV cache: one engine step advances each row by one loop step, a row leaves at its own exit
+step (the request's exit policy / recurrence count or the engine's ``model_options``) and only exiting
+rows are sampled (the same sampler and stop rules); its sequence's next token joins at step 0 in the
+next engine step, when its KV slot is allocated.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rlt_compile.engine.scheduler import ScheduledBatch, Scheduler
 from rlt_compile.engine.sequence import Sequence
 from rlt_compile.models.base import LoopedLM
 from rlt_compile.models.depth_batching import DepthBatcher
+from rlt_compile.models.huginn_depth import HuginnDepthBatcher
 from rlt_compile.models.speculative import draft_options, speculative_accept
 
 log = logging.getLogger(__name__)
@@ -141,15 +143,25 @@ class LLMEngine:
             )
         return options
 
-    def _depth_batcher(self) -> DepthBatcher:
+    def _depth_batcher(self) -> DepthBatcher | HuginnDepthBatcher:
         """The continuous depth batcher over the runner's step-folded cache (ValueError for unusable settings)."""
         family = self.model.family
-        if family != "ouro":
-            raise ValueError(f"depth_batching: needs an Ouro model (an exit gate); this is {family}")
+        if family not in ("ouro", "huginn"):
+            raise ValueError(f"depth_batching: needs an Ouro or Huginn model; this is {family}")
         options = self.config.model_options
         layout = options.get("kv_layout", "last-exited")
         if layout != "last-exited":
             raise ValueError(f"depth_batching: decode uses kv_layout='last-exited', got {layout!r}")
+        if family == "huginn":
+            criterion = options.get("exit_criterion")
+            if criterion not in (None, "latent-diff"):
+                raise ValueError(f"depth_batching: Huginn's adaptive exit supports 'latent-diff', got {criterion!r}")
+            if criterion is not None and not options.get("exit_threshold", 0) > 0:
+                raise ValueError("exit_threshold: must be > 0 with exit_criterion='latent-diff'")
+            if self.config.use_cuda_graphs:
+                raise ValueError("depth_batching: CUDA graphs are captured for Ouro's batcher only, not Huginn's")
+            init_scale = options.get("init_scale", 1.0)
+            return HuginnDepthBatcher(self.model, self.runner.kv_caches, self.config.block_size, init_scale)
         steps = options.get("num_steps")
         if steps is not None and steps != self.model.config.total_ut_steps:
             raise ValueError(
@@ -161,6 +173,18 @@ class LLMEngine:
             blocks = -(-self.max_model_len // self.config.block_size)
             batcher.capture_graphs(self.config.max_num_seqs, blocks, buckets=self.config.cuda_graph_buckets)
         return batcher
+
+    def _depth_join(self, seq: Sequence) -> None:
+        """``seq``'s uncomputed last token joins the depth batcher at step 0 with its request's policy."""
+        args = (seq.seq_id, seq.token_ids[-1], len(seq) - 1, seq.block_table)
+        if self.model.family == "huginn":
+            options = self.config.model_options
+            steps = seq.params.num_steps or self.runner.cache_steps
+            adaptive = options.get("exit_criterion") is not None
+            threshold = options.get("exit_threshold") if adaptive else None
+            self.depth.join(*args, steps, threshold, options.get("min_steps", 1))
+        else:
+            self.depth.join(*args, *self.runner.ouro_exit(seq.params))
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -314,8 +338,7 @@ class LLMEngine:
             return touched
         for seq in rows:
             if not self.depth.has(seq.seq_id):  # joins at step 0; the scheduler allocated its slot
-                fixed, threshold = self.runner.ouro_exit(seq.params)
-                self.depth.join(seq.seq_id, seq.token_ids[-1], len(seq) - 1, seq.block_table, fixed, threshold)
+                self._depth_join(seq)
         exited_ids, logits = self.depth.advance([seq.seq_id for seq in rows])
         self.stats.depth_passes += 1
         if not exited_ids:

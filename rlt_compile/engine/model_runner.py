@@ -94,8 +94,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model_options = dict(config.model_options)
-        if config.depth_batching:  # the runner only prefills (full depth); decode runs in the DepthBatcher
-            self.model_options.pop("kv_layout", None)
+        if config.depth_batching:  # the runner only prefills (full depth); decode runs in the depth batcher
+            drop = ("kv_layout", "exit_criterion", "exit_threshold", "min_steps") if model.family == "huginn" else ()
+            for key in ("kv_layout", *drop):
+                self.model_options.pop(key, None)
         self.kv_caches = model.allocate_kv_cache(
             num_blocks,
             config.block_size,

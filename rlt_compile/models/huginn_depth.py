@@ -69,6 +69,21 @@ class HuginnDepthBatcher:
         self.rows.append(HuginnRow(seq_id, table, len(prompt), token, steps, exit_threshold, min_steps))
         return token
 
+    def join(self, seq_id, token, position, table, num_steps=None, exit_threshold=None, min_steps=1) -> HuginnRow:
+        """Add an in-flight row (recurrence 0) for a sequence whose positions ``< position`` are cached:
+        ``token`` at ``position``, its slot already in ``table`` (the engine's depth batching)."""
+        steps = num_steps or self.model.default_steps
+        if steps > self.max_steps:
+            raise ValueError(f"num_steps: {steps} exceeds the {self.max_steps} recurrences the cache holds")
+        if self.has(seq_id):
+            raise ValueError(f"sequence {seq_id} already has a token in flight")
+        row = HuginnRow(seq_id, table, position, token, steps, exit_threshold, min_steps)
+        self.rows.append(row)
+        return row
+
+    def has(self, seq_id: int) -> bool:
+        return any(r.seq_id == seq_id for r in self.rows)
+
     def remove(self, seq_id: int) -> None:
         self.rows = [r for r in self.rows if r.seq_id != seq_id]
 
@@ -84,6 +99,30 @@ class HuginnDepthBatcher:
         rows = list(self.rows)
         if not rows:
             return []
+        exiting, logits = self._pass(rows)
+        emitted = []
+        for r, row_logits in zip(exiting, logits if exiting else []):
+            emitted.append((r.seq_id, int(row_logits.argmax())))
+            r.token, r.position, r.step, r.state, r.embedded = emitted[-1][1], r.position + 1, 0, None, None
+        return emitted
+
+    @torch.no_grad()
+    def advance(self, seq_ids=None) -> tuple[list[int], torch.Tensor | None]:
+        """One pass over the rows of ``seq_ids`` (default: all) without continuing any sequence (the
+        engine's depth batching): exiting rows fill their skipped core slots and leave the batch;
+        returns (their seq ids, their coda logits) for the caller to sample from."""
+        wanted = None if seq_ids is None else set(seq_ids)
+        rows = [r for r in self.rows if wanted is None or r.seq_id in wanted]
+        if not rows:
+            return [], None
+        exiting, logits = self._pass(rows)
+        for r in exiting:
+            self.rows.remove(r)
+        return [r.seq_id for r in exiting], logits
+
+    def _pass(self, rows: list[HuginnRow]) -> tuple[list[HuginnRow], torch.Tensor | None]:
+        """Prelude for rows at recurrence 0, one recurrence for all, coda for the exiting ones
+        (skipped core slots filled): (exiting rows, their logits)."""
         device = self.kv_caches[0].device
         model = self.model
         new = [r for r in rows if r.step == 0]
@@ -112,17 +151,15 @@ class HuginnDepthBatcher:
                 exiting.append(r)
             else:
                 r.step += 1
-        emitted = []
-        if exiting:
-            meta = self._meta(exiting, [0] * len(exiting))
-            idx = torch.tensor([rows.index(r) for r in exiting], device=device)
-            logits, _ = model.coda(torch.stack([r.state for r in exiting]), cos[idx], sin[idx],
-                                   self.kv_caches[self.prelude_n : self.base], meta, None)  # fmt: skip
-            for r, row_logits in zip(exiting, logits):
-                self._fill_later_steps(r)
-                emitted.append((r.seq_id, int(row_logits.argmax())))
-                r.token, r.position, r.step, r.state, r.embedded = emitted[-1][1], r.position + 1, 0, None, None
-        return emitted
+        if not exiting:
+            return [], None
+        meta = self._meta(exiting, [0] * len(exiting))
+        idx = torch.tensor([rows.index(r) for r in exiting], device=device)
+        logits, _ = model.coda(torch.stack([r.state for r in exiting]), cos[idx], sin[idx],
+                               self.kv_caches[self.prelude_n : self.base], meta, None)  # fmt: skip
+        for r in exiting:
+            self._fill_later_steps(r)
+        return exiting, logits
 
     def _fill_later_steps(self, row: HuginnRow) -> None:
         bs = self.block_size
