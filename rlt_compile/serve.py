@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
     p.add_argument("--async-scheduling", action="store_true", help="prepare step n+1 while step n runs")
+    p.add_argument("--depth-batching", action="store_true", help="decode tokens advance one loop step per step")
     p.add_argument("--speculative-num-draft", type=int, default=None, help="self-speculation: drafts per step")
     p.add_argument("--speculative-draft-steps", type=int, default=None, help="self-speculation: draft loop steps")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
@@ -79,6 +80,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["enable_prefix_caching"] = False
     if args.async_scheduling:
         options["async_scheduling"] = True
+    if args.depth_batching:
+        options["depth_batching"] = True
     return options
 
 

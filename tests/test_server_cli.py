@@ -55,6 +55,7 @@ def test_cli_options_map_to_engine_config():
     config, rest = EngineConfig.split_options({k: v for k, v in options.items() if k not in ("device", "dtype")})
     assert not rest and config.speculative_num_draft == 3
     assert engine_options(build_parser().parse_args(["--model", "m", "--async-scheduling"]))["async_scheduling"]
+    assert engine_options(build_parser().parse_args(["--model", "m", "--depth-batching"]))["depth_batching"]
 
 
 def test_serve_process_streams_and_shuts_down_gracefully(tiny_dirs):
