@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from depth_references import ouro_last_exited
 
 from rlt_compile import load_model
-from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.depth_batching import DepthBatcher
 
 PROMPTS = [[(i * 11 + j * 5) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 19, 11, 33))]
@@ -17,23 +17,6 @@ POLICIES = [{"exit_at_step": 0}, {"exit_at_step": 2}, {"exit_threshold": 0.5}, {
 @pytest.fixture(scope="module")
 def ouro(tiny_dirs):
     return load_model(tiny_dirs["ouro"], load_tokenizer=False)
-
-
-def reference(model, prompt, n, **policy):
-    """Token-by-token decode with the model's own last-exited path (one sequence, no batching)."""
-    blocks = -(-(len(prompt) + n) // 16)
-    planes = model.allocate_kv_cache(blocks, 16)
-    table = [list(range(blocks))]
-    meta = build_metadata([len(prompt)], [0], table, 16)
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, torch.tensor([len(prompt) - 1]),
-                   **policy)  # fmt: skip
-    tokens = [int(logits[0].argmax())]
-    for i in range(n - 1):
-        pos = len(prompt) + i
-        meta = build_metadata([1], [pos], table, 16)
-        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, kv_layout="last-exited", **policy)
-        tokens.append(int(logits[0].argmax()))
-    return tokens
 
 
 def run_batcher(model, prompts, policies, n, stagger=False, pipeline=None, graphs=None):
@@ -64,7 +47,7 @@ def run_batcher(model, prompts, policies, n, stagger=False, pipeline=None, graph
 def test_mixed_depth_batch_equals_each_sequence_alone(ouro, stagger):
     got, _ = run_batcher(ouro, PROMPTS, POLICIES, 6, stagger=stagger)
     for prompt, policy, tokens in zip(PROMPTS, POLICIES, got):
-        assert tokens == reference(ouro, prompt, 6, **policy)
+        assert tokens == ouro_last_exited(ouro, prompt, 6, **policy)
         alone, _ = run_batcher(ouro, [prompt], [policy], 6)
         assert tokens == alone[0]
 

@@ -4,10 +4,9 @@ the "last-exited" KV layout for decode tokens; batched == alone and no block lea
 from __future__ import annotations
 
 import pytest
-import torch
+from depth_references import ouro_last_exited
 
 from rlt_compile import LLM, SamplingParams
-from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.runner import greedy_generate
 
 PROMPTS = [[(i * 7 + j * 13) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 17, 9, 30))]
@@ -57,29 +56,10 @@ def test_ouro_full_and_threshold_one_equal_the_plain_engine(ouro_llm):
     ]
 
 
-def reference_last_exited(model, prompt, k, n):
-    """Prefill at full depth (its token read at step k), then decode each token with exit k and the
-    last-exited KV layout."""
-    blocks = -(-(len(prompt) + n) // 16)
-    planes = model.allocate_kv_cache(blocks, 16)
-    table = [list(range(blocks))]
-    meta = build_metadata([len(prompt)], [0], table, 16)
-    last = torch.tensor([len(prompt) - 1])
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, last, exit_at_step=k)
-    tokens = [int(logits[0].argmax())]
-    for i in range(n - 1):
-        pos = len(prompt) + i
-        meta = build_metadata([1], [pos], table, 16)
-        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, exit_at_step=k,
-                       kv_layout="last-exited")  # fmt: skip
-        tokens.append(int(logits[0].argmax()))
-    return tokens
-
-
 def test_engine_last_exited_layout_matches_the_model_level_reference(tiny_dirs):
     llm = LLM(str(tiny_dirs["ouro"]), num_blocks=64, model_options={"exit_at_step": 1, "kv_layout": "last-exited"})
     got = run(llm, PROMPTS, greedy())
-    assert got == [reference_last_exited(llm.model, p, 1, 6) for p in PROMPTS]
+    assert got == [ouro_last_exited(llm.model, p, 6, exit_at_step=1) for p in PROMPTS]
     delayed = run(LLM(str(tiny_dirs["ouro"]), num_blocks=64, model_options={"exit_at_step": 1}), PROMPTS, greedy())
     assert [g[0] for g in got] == [d[0] for d in delayed]  # the first token comes from the full-depth prefill
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from depth_references import huginn_alone, ouro_last_exited
 
 from rlt_compile import LLM, SamplingParams
 from rlt_compile.engine import EngineConfig, LLMEngine
-from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.loader import load_model
 
 PROMPTS = [[(i * 11 + j * 5) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 19, 11, 33, 4, 25, 14, 9))]
@@ -26,24 +26,6 @@ POLICIES = [
 
 def greedy(n=N, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
-
-
-def reference(model, prompt, n, **policy):
-    """Full-depth prefill (first token read at the policy's exit step), then token-by-token decode
-    with the model's own ``kv_layout="last-exited"`` path (as tests/test_depth_batching.py)."""
-    blocks = -(-(len(prompt) + n) // 16)
-    planes = model.allocate_kv_cache(blocks, 16)
-    table = [list(range(blocks))]
-    meta = build_metadata([len(prompt)], [0], table, 16)
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, torch.tensor([len(prompt) - 1]),
-                   **policy)  # fmt: skip
-    tokens = [int(logits[0].argmax())]
-    for i in range(n - 1):
-        pos = len(prompt) + i
-        meta = build_metadata([1], [pos], table, 16)
-        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, kv_layout="last-exited", **policy)
-        tokens.append(int(logits[0].argmax()))
-    return tokens
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
@@ -72,7 +54,7 @@ def test_mixed_policies_batched_equal_alone_and_the_reference(ouro, depth_llm):
     params = [greedy(**POLICIES[i % 4][0]) for i in range(len(PROMPTS))]
     batched = run(depth_llm, PROMPTS, params)
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
-        want = reference(ouro, prompt, N, **POLICIES[i % 4][1])
+        want = ouro_last_exited(ouro, prompt, N, **POLICIES[i % 4][1])
         assert batched[i] == want, f"request {i} ({POLICIES[i % 4][0]})"
         assert run(depth_llm, [prompt], p) == [want]
     assert depth_llm.engine.stats.depth_passes > 0
@@ -80,7 +62,7 @@ def test_mixed_policies_batched_equal_alone_and_the_reference(ouro, depth_llm):
 
 def test_engine_wide_exit_option(ouro):
     llm = LLM(ouro, num_blocks=64, depth_batching=True, model_options={"exit_at_step": 1})
-    assert run(llm, PROMPTS[:3], greedy()) == [reference(ouro, p, N, exit_at_step=1) for p in PROMPTS[:3]]
+    assert run(llm, PROMPTS[:3], greedy()) == [ouro_last_exited(ouro, p, N, exit_at_step=1) for p in PROMPTS[:3]]
 
 
 def test_fixed_exit_zero_takes_fewer_engine_steps_than_full_depth(depth_llm):
@@ -188,25 +170,6 @@ def test_unsupported_combinations_raise(tiny_dirs, ouro):
 HUGINN_PROMPTS = PROMPTS[:6]
 
 
-def huginn_reference(model, prompt, n, num_steps=4, exit_threshold=None, min_steps=1):
-    """One sequence, token by token, through the model's own path (as tests/test_huginn_depth.py)."""
-    blocks = -(-(len(prompt) + n) // 16)
-    planes = model.allocate_kv_cache(blocks, 16, max_steps=4)
-    table = [list(range(blocks))]
-    meta = build_metadata([len(prompt)], [0], table, 16)
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, torch.tensor([len(prompt) - 1]),
-                   num_steps=num_steps, init_scale=0.0)  # fmt: skip
-    tokens = [int(logits[0].argmax())]
-    adaptive = {"exit_criterion": "latent-diff", "exit_threshold": exit_threshold, "min_steps": min_steps}
-    for i in range(n - 1):
-        pos = len(prompt) + i
-        meta = build_metadata([1], [pos], table, 16)
-        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, num_steps=num_steps,
-                       init_scale=0.0, **(adaptive if exit_threshold else {}))  # fmt: skip
-        tokens.append(int(logits[0].argmax()))
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def huginn(tiny_dirs):
     return load_model(tiny_dirs["huginn"], load_tokenizer=False)
@@ -218,7 +181,7 @@ def test_huginn_per_request_recurrences_batched_equal_alone_and_the_reference(hu
     params = [greedy(num_steps=r) for r in counts]
     batched = run(llm, HUGINN_PROMPTS, params)
     for prompt, p, r, tokens in zip(HUGINN_PROMPTS, params, counts, batched):
-        want = huginn_reference(huginn, prompt, N, num_steps=r)
+        want = huginn_alone(huginn, prompt, N, num_steps=r)
         assert tokens == want
         assert run(llm, [prompt], p) == [want]
 
@@ -230,7 +193,7 @@ def test_huginn_adaptive_exit_equals_the_reference(huginn):
     batched = run(llm, HUGINN_PROMPTS[:4], [greedy(num_steps=r) for r in counts])
     assert llm.engine.depth.early_exits > 0
     want = [
-        huginn_reference(huginn, p, N, num_steps=r, exit_threshold=0.65, min_steps=2)
+        huginn_alone(huginn, p, N, num_steps=r, exit_threshold=0.65, min_steps=2)
         for p, r in zip(HUGINN_PROMPTS[:4], counts)
     ]
     assert batched == want

@@ -4,10 +4,9 @@ give each sequence the tokens of the model's own per-token path (exact, fp32).""
 from __future__ import annotations
 
 import pytest
-import torch
+from depth_references import huginn_alone
 
 from rlt_compile import load_model
-from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.huginn_depth import HuginnDepthBatcher
 
 PROMPTS = [[(i * 13 + j * 7) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 18, 9, 27))]
@@ -16,25 +15,6 @@ PROMPTS = [[(i * 13 + j * 7) % 250 + 3 for j in range(n)] for i, n in enumerate(
 @pytest.fixture(scope="module")
 def huginn(tiny_dirs):
     return load_model(tiny_dirs["huginn"], load_tokenizer=False)
-
-
-def reference(model, prompt, n, num_steps=4, exit_threshold=None, min_steps=1):
-    """One sequence, token by token, through the model's own (last-exited) adaptive path."""
-    blocks = -(-(len(prompt) + n) // 16)
-    planes = model.allocate_kv_cache(blocks, 16, max_steps=4)
-    table = [list(range(blocks))]
-    meta = build_metadata([len(prompt)], [0], table, 16)
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), planes, meta, torch.tensor([len(prompt) - 1]),
-                   num_steps=num_steps, init_scale=0.0)  # fmt: skip
-    tokens = [int(logits[0].argmax())]
-    adaptive = {"exit_criterion": "latent-diff", "exit_threshold": exit_threshold, "min_steps": min_steps}
-    for i in range(n - 1):
-        pos = len(prompt) + i
-        meta = build_metadata([1], [pos], table, 16)
-        logits = model(torch.tensor(tokens[-1:]), torch.tensor([pos]), planes, meta, num_steps=num_steps,
-                       init_scale=0.0, **(adaptive if exit_threshold else {}))  # fmt: skip
-        tokens.append(int(logits[0].argmax()))
-    return tokens
 
 
 def run(model, prompts, options, n, stagger=False):
@@ -70,7 +50,7 @@ def test_mixed_recurrences_and_adaptive_exits_equal_each_sequence_alone(huginn, 
     got, batcher = run(huginn, PROMPTS, OPTIONS, 5, stagger=stagger)
     assert batcher.early_exits > 0  # the adaptive request really stopped early
     for prompt, opts, tokens in zip(PROMPTS, OPTIONS, got):
-        assert tokens == reference(huginn, prompt, 5, **opts)
+        assert tokens == huginn_alone(huginn, prompt, 5, **opts)
 
 
 def test_fewer_recurrences_take_fewer_passes(huginn):
