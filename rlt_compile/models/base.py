@@ -166,6 +166,12 @@ class StackLoopedLM(LoopedLM):
         first = 0 if shared else step * n
         return kv_caches[first : first + n]
 
+    def run_layers(self, h, cos, sin, kv_caches: list[torch.Tensor], attn) -> torch.Tensor:
+        """One pass of the shared stack (no final norm), each layer on its own KV plane."""
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, attn)
+        return h
+
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         from rlt_compile.models.layers import rope_cos_sin
 

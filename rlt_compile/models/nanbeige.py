@@ -98,8 +98,7 @@ class NanbeigeForCausalLM(StackLoopedLM):
         super().__init__(cfg, NanbeigeModel(cfg))
 
     def loop_step(self, h, cos, sin, kv_caches: list[torch.Tensor], attn: AttentionMetadata):
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, attn)
+        h = self.run_layers(h, cos, sin, kv_caches, attn)
         return h if self.config.skip_loop_final_norm else self.model.norm(h)
 
     def head(self, h: torch.Tensor):

@@ -132,9 +132,7 @@ class OuroForCausalLM(StackLoopedLM):
 
     def loop_step(self, h, cos, sin, kv_caches: list[torch.Tensor], attn: AttentionMetadata):
         """One pass of the shared stack, then the per-loop final norm."""
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, attn)
-        return self.model.norm(h)
+        return self.model.norm(self.run_layers(h, cos, sin, kv_caches, attn))
 
     def head(self, hs: torch.Tensor, exit_fixed: torch.Tensor, exit_threshold: torch.Tensor):
         """hs [steps, N, hidden], per-row fixed exit step (-1: none) and threshold (inf: none)

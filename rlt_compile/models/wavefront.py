@@ -50,25 +50,30 @@ def wavefront_prefill(
     block_table: list[int],
     chunk_size: int,
     num_steps: int | None = None,
+    start: int = 0,
     **options,
 ) -> torch.Tensor:
-    """Prefill ``prompt`` (a new sequence) in wavefront order; returns fp32 logits of its last token.
+    """Prefill ``prompt`` in wavefront order; returns fp32 logits of its last token.
 
-    ``kv_caches`` must be step-folded; ``options`` are the model's forward options (Ouro's exit
-    policy, Huginn's ``init_scale``).
+    ``prompt[:start]`` must already have K/V of every loop step in the cache (a prefix-cache hit or
+    an earlier chunk); ``prompt[start:]`` is computed. ``kv_caches`` must be step-folded;
+    ``options`` are the model's forward options (Ouro's exit policy, Huginn's ``init_scale``).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not 0 <= start < len(prompt):
+        raise ValueError(f"start must be in [0, {len(prompt)}), got {start}")
     device = kv_caches[0].device
     num_blocks = kv_caches[0].shape[1]
     block_size = kv_caches[0].shape[2]
     steps = num_steps or model.default_steps
     model.check_steps(steps, kv_caches)
-    ids = torch.tensor(prompt, device=device)
-    positions = torch.arange(len(prompt), device=device)
-    bounds = [(s, min(s + chunk_size, len(prompt))) for s in range(0, len(prompt), chunk_size)]
-    whole = build_metadata([len(prompt)], [0], [block_table], block_size, device=device)
-    last = torch.tensor([len(prompt) - 1], device=device)
+    n = len(prompt) - start  # rows below are relative to ``start``
+    ids = torch.tensor(prompt[start:], device=device)
+    positions = torch.arange(start, len(prompt), device=device)
+    bounds = [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+    whole = build_metadata([n], [start], [block_table], block_size, device=device)
+    last = torch.tensor([n - 1], device=device)
 
     if model.family == "huginn":
         c = model.config
@@ -78,17 +83,16 @@ def wavefront_prefill(
         layers = folded_layers(kv_caches, [p + cd + j for j in range(core)])
         final, _ = _wavefront(
             lambda h, rows, meta: model.loop_step(h, e[rows], cos[rows], sin[rows], layers, meta),
-            s0, bounds, steps, block_table, num_blocks, block_size, device,
+            s0, bounds, start, steps, block_table, num_blocks, block_size, device,
         )  # fmt: skip
         logits, _ = model.coda(final, cos, sin, kv_caches[p : p + cd], whole, last)
         return logits[0]
 
-    n = len(model.slot_steps(1))
-    layers = folded_layers(kv_caches, list(range(n)))
+    layers = folded_layers(kv_caches, list(range(len(model.slot_steps(1)))))
     h0, cos, sin = model.embed(ids, positions)
     final, per_step_last = _wavefront(
         lambda h, rows, meta: model.loop_step(h, cos[rows], sin[rows], layers, meta),
-        h0, bounds, steps, block_table, num_blocks, block_size, device,
+        h0, bounds, start, steps, block_table, num_blocks, block_size, device,
     )  # fmt: skip
     if model.family == "ouro":
         fixed, threshold = model.exit_policy(1, device, options.get("exit_at_step"), options.get("exit_threshold"))
@@ -97,8 +101,10 @@ def wavefront_prefill(
     return model.head(final[last])[0]
 
 
-def _wavefront(step_fn, h0, bounds, steps, table, num_blocks, block_size, device):
-    """Run every (chunk, step) pair along wavefronts; returns (final states, last row per step)."""
+def _wavefront(step_fn, h0, bounds, start, steps, table, num_blocks, block_size, device):
+    """Run every (chunk, step) pair along wavefronts; returns (final states, last row per step).
+
+    ``bounds`` are row ranges of ``h0``; row ``r`` sits at position ``start + r``."""
     state = {}  # chunk -> its rows' hidden state after its latest step
     final = torch.empty_like(h0)
     per_step_last: list[torch.Tensor] = [None] * steps
@@ -109,7 +115,7 @@ def _wavefront(step_fn, h0, bounds, steps, table, num_blocks, block_size, device
         h = torch.cat([h0[slice(*bounds[c])] if step == 0 else state[c] for c, step in active])
         meta = step_metadata(
             [bounds[c][1] - bounds[c][0] for c, _ in active],
-            [bounds[c][0] for c, _ in active],
+            [start + bounds[c][0] for c, _ in active],
             [table] * len(active),
             [step for _, step in active],
             num_blocks,
