@@ -9,7 +9,11 @@ decoding with ``speculative_draft_steps`` (d) draft loop steps; it cannot be com
 ``async_scheduling`` (ValueError). ``depth_batching=True`` (Ouro, Huginn) runs decode through continuous depth
 batching (``models/depth_batching.py``, docs/depth.md): each engine step advances every in-flight
 token by one loop step and a token leaves at its own exit step; it cannot be combined with
-``async_scheduling`` or ``speculative_num_draft`` (ValueError).
+``async_scheduling`` or ``speculative_num_draft`` (ValueError). ``wavefront_prefill_chunk=C`` (> 0)
+allocates the KV cache step-folded and runs a prefill that finishes a sequence's uncomputed tokens in
+one step and spans more than one chunk through wavefront chunked prefill (``models/wavefront.py``,
+docs/speculation.md); it cannot be combined with ``async_scheduling``, ``speculative_num_draft`` or
+``depth_batching`` (ValueError).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class EngineConfig:
     # Continuous depth batching (Ouro, Huginn; docs/depth.md): decode tokens advance one loop step per engine
     # step on a step-folded KV cache and exit at their own step ("last-exited" KV layout).
     depth_batching: bool = False
+    # Wavefront chunked prefill (docs/speculation.md): chunk size C of the wavefront; 0 / None = off.
+    wavefront_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -103,6 +109,19 @@ class EngineConfig:
             "depth_batching",
             "continuous depth batching cannot be combined with self-speculation (speculative_num_draft > 0)",
         )
+
+        chunk = self.wavefront_prefill_chunk
+        check(
+            chunk is None or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0),
+            "wavefront_prefill_chunk",
+            f"must be an integer >= 0 or None (0 / None = off), got {chunk!r}",
+        )
+        for on, what in (
+            (self.async_scheduling, "async_scheduling=True"),
+            (self.speculative_num_draft, "self-speculation (speculative_num_draft > 0)"),
+            (self.depth_batching, "depth_batching=True"),
+        ):
+            check(not (chunk and on), "wavefront_prefill_chunk", f"wavefront prefill cannot be combined with {what}")
 
     @classmethod
     def split_options(cls, options: dict) -> tuple[EngineConfig, dict]:

@@ -19,6 +19,12 @@ step-folded KV cache: one engine step advances each row by one loop step, a row 
 step (the request's exit policy / recurrence count or the engine's ``model_options``) and only exiting
 rows are sampled (the same sampler and stop rules); its sequence's next token joins at step 0 in the
 next engine step, when its KV slot is allocated.
+
+With ``wavefront_prefill_chunk=C`` (docs/speculation.md) the KV cache is step-folded and every
+scheduled prefill that finishes its sequence's uncomputed tokens in this step and is longer than ``C``
+tokens runs through ``wavefront_prefill`` (after any prefix-cache hit or earlier chunk: ``start``); the
+rest of the batch (decodes, shorter or partial prefill chunks) runs through the runner afterwards and
+every logits row is sampled in batch order, as in a plain step.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from rlt_compile.models.base import LoopedLM
 from rlt_compile.models.depth_batching import DepthBatcher
 from rlt_compile.models.huginn_depth import HuginnDepthBatcher
 from rlt_compile.models.speculative import draft_options, speculative_accept
+from rlt_compile.models.wavefront import wavefront_prefill
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,8 @@ class EngineStats:
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens the verify pass accepted
     depth_passes: int = 0  # depth batching: passes of the shared stack over the in-flight decode rows
+    wavefront_prefills: int = 0  # prefills run through wavefront chunked prefill
+    wavefront_tokens: int = 0  # tokens they computed
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -118,6 +127,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config, num_blocks, max_len)
         self.draft_options = self._draft_options() if self.config.speculative_num_draft else None
         self.depth = self._depth_batcher() if self.config.depth_batching else None
+        self.wavefront_chunk = self._wavefront_chunk()
         self.sampler = Sampler(device, self.config.seed)
         self.eos_token_ids = collect_eos_ids(model, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -173,6 +183,14 @@ class LLMEngine:
             blocks = -(-self.max_model_len // self.config.block_size)
             batcher.capture_graphs(self.config.max_num_seqs, blocks, buckets=self.config.cuda_graph_buckets)
         return batcher
+
+    def _wavefront_chunk(self) -> int:
+        """The wavefront prefill chunk size, 0 when off (ValueError for unusable settings)."""
+        chunk = self.config.wavefront_prefill_chunk or 0
+        layout = self.config.model_options.get("kv_layout")
+        if chunk and layout == "shared":
+            raise ValueError("wavefront_prefill_chunk: needs a K/V plane per loop step, not kv_layout='shared'")
+        return chunk
 
     def _depth_join(self, seq: Sequence) -> None:
         """``seq``'s uncomputed last token joins the depth batcher at step 0 with its request's policy."""
@@ -289,6 +307,8 @@ class LLMEngine:
             touched = self._depth_step(batch)
         elif self._speculates(batch):
             touched = self._speculative_step(batch)
+        elif self.wavefront_chunk:
+            touched = self._wavefront_step(batch)
         else:
             touched = self._plain_step(batch)
         for request in touched.values():
@@ -299,6 +319,11 @@ class LLMEngine:
 
     def _plain_step(self, batch: ScheduledBatch) -> dict[str, Request]:
         logits, sample_seqs = self.runner.execute(batch)
+        self._account(batch)
+        return self._sample(logits, sample_seqs)
+
+    def _account(self, batch: ScheduledBatch) -> None:
+        """Count the step and its tokens; the scheduled tokens are computed (and their full blocks cached)."""
         self.stats.steps += 1
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if n == 1 and seq.num_computed_tokens == len(seq) - 1 and seq.num_output_tokens > 0:
@@ -307,6 +332,8 @@ class LLMEngine:
                 self.stats.prefill_tokens += n
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+
+    def _sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]) -> dict[str, Request]:
         touched: dict[str, Request] = {}
         if sample_seqs:
             sampled = self.sampler(logits, sample_seqs)
@@ -314,6 +341,55 @@ class LLMEngine:
                 self._append(seq, token, logprobs)
                 touched[seq.request_id] = self.requests[seq.request_id]
         return touched
+
+    # -- wavefront chunked prefill -------------------------------------------------------------
+    def _wavefront_row(self, seq: Sequence, n: int) -> bool:
+        """Whether ``seq``'s chunk this step runs as a wavefront: it finishes the sequence's uncomputed
+        tokens (so its last token's logits are sampled) and spans more than one wavefront chunk."""
+        return n == seq.num_uncomputed_tokens and n > self.wavefront_chunk
+
+    def _wavefront_step(self, batch: ScheduledBatch) -> dict[str, Request]:
+        """Wavefront prefills first, then the rest of the batch through the runner; one sampler call
+        over every logits row in batch order (as a plain step would)."""
+        rest, rows = ScheduledBatch(), {}
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if self._wavefront_row(seq, n):
+                rows[seq.seq_id] = self._run_wavefront(seq)
+                self.stats.wavefront_prefills += 1
+                self.stats.wavefront_tokens += n
+            else:
+                rest.add(seq, n)
+        if not rows:
+            return self._plain_step(batch)
+        plain_rows: dict[int, torch.Tensor] = {}
+        if rest.seqs:
+            logits, sample_seqs = self.runner.execute(rest)
+            plain_rows = {seq.seq_id: logits[i] for i, seq in enumerate(sample_seqs)}
+        self._account(batch)
+        order = [seq for seq in batch.seqs if seq.seq_id in rows or seq.seq_id in plain_rows]
+        logits = torch.stack([rows.get(seq.seq_id, plain_rows.get(seq.seq_id)) for seq in order])
+        return self._sample(logits, order)
+
+    def _run_wavefront(self, seq: Sequence) -> torch.Tensor:
+        """fp32 logits of ``seq``'s last token after a wavefront prefill of its uncomputed tokens,
+        with the forward options the runner would use for it (engine-wide or the request's own)."""
+        options = dict(self.runner.model_options)
+        steps = options.pop("num_steps", None)
+        family = self.model.family
+        if family == "huginn":
+            steps = seq.params.num_steps or steps
+        elif family == "ouro":
+            options["exit_at_step"], options["exit_threshold"] = self.runner.ouro_exit(seq.params)
+        return wavefront_prefill(
+            self.model,
+            self.runner.kv_caches,
+            seq.token_ids,
+            seq.block_table,
+            self.wavefront_chunk,
+            num_steps=steps,
+            start=seq.num_computed_tokens,
+            **options,
+        )
 
     # -- continuous depth batching -------------------------------------------------------------
     def _depth_row(self, seq: Sequence, n: int) -> bool:

@@ -102,7 +102,7 @@ class ModelRunner:
             num_blocks,
             config.block_size,
             max_steps=kv_steps(model, self.model_options),
-            fold_steps=config.depth_batching,
+            fold_steps=config.depth_batching or bool(config.wavefront_prefill_chunk),
         )
         self.step_fn = self._build_step_fn()
         # with depth batching the DepthBatcher captures the decode graphs (LLMEngine)
