@@ -143,3 +143,13 @@ def test_default_is_off(models):
     engine = LLMEngine(models["nanbeige"], num_blocks=8)
     assert engine.config.wavefront_prefill_chunk is None and engine.wavefront_chunk == 0
     assert engine.runner.kv_caches[0]._base is None  # not step-folded
+
+
+def test_static_buffer_decode_on_the_folded_cache(models):
+    """``use_cuda_graphs=True`` (on the CPU: the graph runner's static buffers) serves the decodes
+    on the step-folded cache."""
+    want = run(make(models["ouro"], "ouro", 0), PROMPTS[:4], greedy())
+    on = make(models["ouro"], "ouro", C, use_cuda_graphs=True)
+    assert on.engine.runner.graph_runner is not None
+    assert run(on, PROMPTS[:4], greedy()) == want
+    assert on.engine.stats.wavefront_prefills == 3
