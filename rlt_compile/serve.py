@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
     p.add_argument("--async-scheduling", action="store_true", help="prepare step n+1 while step n runs")
     p.add_argument("--depth-batching", action="store_true", help="decode tokens advance one loop step per step")
+    p.add_argument("--wavefront-prefill-chunk", type=int, default=None, help="wavefront chunked prefill chunk size")
     p.add_argument("--speculative-num-draft", type=int, default=None, help="self-speculation: drafts per step")
     p.add_argument("--speculative-draft-steps", type=int, default=None, help="self-speculation: draft loop steps")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
@@ -72,6 +73,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "seed",
         "speculative_num_draft",
         "speculative_draft_steps",
+        "wavefront_prefill_chunk",
     ):
         value = getattr(args, name)
         if value is not None:

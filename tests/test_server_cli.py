@@ -56,6 +56,8 @@ def test_cli_options_map_to_engine_config():
     assert not rest and config.speculative_num_draft == 3
     assert engine_options(build_parser().parse_args(["--model", "m", "--async-scheduling"]))["async_scheduling"]
     assert engine_options(build_parser().parse_args(["--model", "m", "--depth-batching"]))["depth_batching"]
+    args = build_parser().parse_args(["--model", "m", "--wavefront-prefill-chunk", "64"])
+    assert engine_options(args)["wavefront_prefill_chunk"] == 64
 
 
 def test_serve_process_streams_and_shuts_down_gracefully(tiny_dirs):
