@@ -56,19 +56,8 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params, want_logprobs))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        params = [s.params for s in seqs]
         device = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-        scaled = logits / temps[:, None]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        if any(top_k) or any(p < 1.0 for p in top_p):
-            scaled = filter_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = filtered_probs(logits, [s.params for s in seqs])
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
             if seq.params.seed is not None and not greedy[row]:
@@ -99,10 +88,9 @@ class Sampler:
         return out
 
 
-def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """The distribution random sampling draws from, one row per ``params`` entry: temperature,
-    top-k, top-p, then min-p (renormalized). Self-speculation applies it to draft and target rows."""
-    logits = logits.float()
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p, one row per ``params`` entry (not renormalized after
+    min-p: sampling by ``probs / exponential noise`` does not need it)."""
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
     scaled = logits / temps[:, None]
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -114,8 +102,14 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     if any(min_p):
         threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The distribution random sampling draws from (``filtered_probs`` renormalized), one row per
+    ``params`` entry. Self-speculation applies it to draft and target rows."""
+    probs = filtered_probs(logits.float(), params)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def apply_repetition_penalty(row: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
