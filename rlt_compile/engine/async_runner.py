@@ -98,42 +98,7 @@ class DeviceSampler:
         return row
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        params = [s.params for s in seqs]
-        default = torch.get_default_dtype()
-        temps = self.to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], default)
-        scaled = logits / temps[:, None]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        if any(top_k) or any(p < 1.0 for p in top_p):
-            scaled = self._filter(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            threshold = self.to_device(min_p, default)[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.sampler.generator)
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and not greedy[row]:
-                noise[row].exponential_(generator=self.sampler._seq_generator(seq))
-        sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
-        if any(greedy):
-            mask = self.to_device(greedy, torch.bool)
-            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
-        return sampled
-
-    def _filter(self, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = self.to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.long)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        p = self.to_device(top_p, torch.float32)[:, None]
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        drop = before >= p
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return self.sampler._sample(logits, seqs, greedy, self.to_device)
 
 
 @dataclass

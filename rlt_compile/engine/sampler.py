@@ -55,17 +55,18 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params, want_logprobs))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        device = logits.device
-        probs = filtered_probs(logits, [s.params for s in seqs])
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool], make=None) -> torch.Tensor:
+        """``make(values, dtype)`` builds the small per-row tensors (the async engine's device
+        sampler passes a pinned, non-blocking one)."""
+        make = make or _maker(logits.device)
+        probs = filtered_probs(logits, [s.params for s in seqs], make)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
             if seq.params.seed is not None and not greedy[row]:
                 noise[row].exponential_(generator=self._seq_generator(seq))
         sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
         if any(greedy):
-            mask = torch.tensor(greedy, device=device)
-            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(make(greedy, torch.bool), logits.argmax(dim=-1), sampled)
         return sampled
 
     @staticmethod
@@ -88,19 +89,24 @@ class Sampler:
         return out
 
 
-def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+def _maker(device: torch.device):
+    return lambda values, dtype=None: torch.tensor(values, dtype=dtype, device=device)
+
+
+def filtered_probs(logits: torch.Tensor, params: list, make=None) -> torch.Tensor:
     """Temperature, top-k, top-p, then min-p, one row per ``params`` entry (not renormalized after
     min-p: sampling by ``probs / exponential noise`` does not need it)."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    make = make or _maker(logits.device)
+    temps = make([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
     scaled = logits / temps[:, None]
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_p = [p.top_p for p in params]
     if any(top_k) or any(p < 1.0 for p in top_p):
-        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        scaled = filter_top_k_top_p(scaled, top_k, top_p, make)
     probs = scaled.softmax(dim=-1)
     min_p = [p.min_p for p in params]
     if any(min_p):
-        threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = make(min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
 
@@ -120,15 +126,16 @@ def apply_repetition_penalty(row: torch.Tensor, token_ids: list[int], penalty: f
     return row
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float], make=None) -> torch.Tensor:
     """Set logits outside each row's top-k / nucleus to -inf (0 in ``top_k`` and 1.0 in ``top_p``: off)."""
+    make = make or _maker(logits.device)
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    k = make([kk if 0 < kk < vocab else vocab for kk in top_k], torch.long)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)[:, None]
+    p = make(top_p, torch.float32)[:, None]
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
     drop = before >= p
