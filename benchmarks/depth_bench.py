@@ -5,6 +5,13 @@ and Huginn-0125 (recurrences r), real configs with random bf16 weights, graphs o
 
 Each timed step decodes one token per sequence at a constant context (the same position is
 decoded again, so the cost per step is that of a real decode step at that context length).
+
+``--engine`` adds the engine comparison for Ouro-1.4B with mixed per-request exits (request ``i``
+exits at step ``i % 4``), compiled + CUDA graphs, output tok/s over the whole run: full depth for
+everyone (today's engines), per-request exits in lockstep batches ("last-exited", one masked pass
+per loop step until every row of the batch has exited; graphs only serve engine-wide options, so
+these batches run compiled without graphs), and continuous depth batching (rows at different loop
+steps share each pass; one graph per padded bucket).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 
 from rlt_compile.bench import CONFIGS, build_random_model, wall_ms
 from rlt_compile.compiler import compile_model
+from rlt_compile.engine import LLMEngine, SamplingParams
 from rlt_compile.graphs import CudaGraphRunner
 from rlt_compile.kernels.metadata import build_metadata
 
@@ -58,6 +66,47 @@ def measure(model, cm, label, variants, batch, context, tokens, max_steps, prefi
     return out
 
 
+def engine_mixed_exits(requests: int, prompt: int, out_tokens: int) -> list[tuple[str, float, int]]:
+    """(mode, output tok/s, engine steps) for Ouro-1.4B with exits at step i % 4 (module doc)."""
+    import time
+
+    modes = [
+        ("full depth, graphs", {}, False),
+        ("per-request exits, lockstep (masked)", {"kv_layout": "last-exited"}, True),
+        ("per-request exits, continuous depth batching", {"kv_layout": "last-exited"}, True),
+    ]
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (prompt,), generator=gen).tolist() for _ in range(requests)]
+    for name, model_options, mixed in modes:
+        model = build_random_model(CONFIGS["ouro-1.4b"], torch.bfloat16, torch.device("cuda"))
+        eng = LLMEngine(model, num_blocks=requests * (-(-(prompt + out_tokens) // BLOCK)) + 16, max_num_seqs=requests,
+                        max_model_len=prompt + out_tokens + 16, enable_prefix_caching=False, compile=True,
+                        use_cuda_graphs=True, depth_batching="continuous" in name, model_options=model_options)  # fmt: skip
+
+        def run(n_out, eng=eng, mixed=mixed):
+            for i, p in enumerate(prompts):
+                extra = {"exit_at_step": i % 4} if mixed else {}
+                eng.add_request(None, p, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True, **extra))
+            steps = 0
+            while eng.has_unfinished():
+                eng.step()
+                steps += 1
+            return steps
+
+        run(2)  # warm-up: compiles and captures
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps = run(out_tokens)
+        torch.cuda.synchronize()
+        tok_s = requests * out_tokens / (time.perf_counter() - t0)
+        print(f"engine {name}: {tok_s:.0f} output tok/s, {steps} engine steps", flush=True)
+        out.append((name, tok_s, steps))
+        del eng, model
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,64")
@@ -65,6 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--models", default="ouro-1.4b,huginn-0125")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--engine", action="store_true", help="add the engine comparison (module doc)")
+    parser.add_argument("--engine-requests", type=int, default=64)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
@@ -99,6 +150,18 @@ def main(argv=None) -> int:
         ideal = depth / (4 if label.startswith("ouro") else 32)
         ratio = g / full[(label, b)] if g and full.get((label, b)) else None
         lines.append(f"| {label} | {b} | {name} | {c:.3f} | {g:.3f} | {b * 1e3 / g:.0f} | {ratio:.2f} | {ideal:.2f} |")
+    if args.engine:
+        results = engine_mixed_exits(args.engine_requests, 64, 32)
+        lines += [
+            "",
+            f"Engine, Ouro-1.4B, {args.engine_requests} requests (64-token prompts, 32 output tokens), request i exits "
+            "at step i % 4 (ideal: 0.625 of full depth), compile + CUDA graphs:",
+            "",
+            "| mode | output tok/s | engine steps | vs full depth |",
+            "|---|---|---|---|",
+        ]
+        base = results[0][1]
+        lines += [f"| {name} | {tok:.0f} | {steps} | {tok / base:.2f}x |" for name, tok, steps in results]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -306,6 +306,8 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
         result.first_call_s = time.perf_counter() - t1
         result.compile_s = cm.compile_seconds()
         log.info("%s: compiled in %.1f s (first call %.1f s)", name, result.compile_s, result.first_call_s)
+        if args.code_dir:
+            write_inductor_code(cm, Path(args.code_dir), name)
         if args.compiled_steps:
             token, _ = dec.decode(plain(cm), token, 2, sync)
             token, per = dec.decode(plain(cm), token, args.compiled_steps, sync)
@@ -335,6 +337,14 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
     return result
 
 
+def write_inductor_code(cm, out: Path, name: str) -> None:
+    """Inductor's generated code of every compiled unit, one file per model and unit."""
+    out.mkdir(parents=True, exist_ok=True)
+    for unit_name, unit in cm.units.items():
+        code = "\n\n".join("\n".join(r.output_code) for r in unit.backend.records)
+        (out / f"{name}.{unit_name}.py").write_text(code)
+
+
 KERNEL_CLASSES = (
     ("attention", ("paged_attention", "kv_write", "split_reduce")),
     ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "xmma", "splitkreduce", "cublas")),
@@ -342,13 +352,14 @@ KERNEL_CLASSES = (
 )
 
 
-def profile_kernels(run, tokens: int) -> str:
+def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
     """GPU kernel time per token by class (attention / GEMM / Inductor-fused / other) over ``run()``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
     totals: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -357,14 +368,22 @@ def profile_kernels(run, tokens: int) -> str:
         if "memcpy" in name or "memset" in name:
             cls = "copy"
         t = totals.setdefault(cls, [0.0, 0])
-        t[0] += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        t[0] += us
         t[1] += 1
+        k = by_name.setdefault(evt.name[:60], [0.0, 0])
+        k[0] += us
+        k[1] += 1
     busy = sum(v[0] for v in totals.values()) / tokens / 1e3
     parts = ", ".join(
         f"{c} {v[0] / tokens / 1e3:.2f} ms ({v[1] // tokens} kernels)"
         for c, v in sorted(totals.items(), key=lambda kv: -kv[1][0])
     )
-    return f"profile per token (graphs): GPU busy {busy:.2f} ms: {parts}"
+    top = "; ".join(
+        f"{name} x{v[1] // tokens} {v[0] / max(v[1], 1):.1f} us"
+        for name, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top_n]
+    )
+    return f"profile per token (graphs): GPU busy {busy:.2f} ms: {parts}. Top kernels (count per token, mean): {top}"
 
 
 def _fmt(x, spec=".1f", none="-"):
@@ -428,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the markdown table here")
     parser.add_argument("--json", default=None, help="write raw results as JSON here")
     parser.add_argument("--passes", default=None, help="comma list of passes (default: compile_model's default)")
+    parser.add_argument("--code-dir", default=None, help="write Inductor's generated code per unit here")
     parser.add_argument("--profile", action="store_true", help="add a per-token GPU kernel-time breakdown (graphs)")
     parser.add_argument(
         "--inductor-config", default=None, help="Inductor config patches as JSON, e.g. '{\"freezing\": true}'"

@@ -114,7 +114,12 @@ def test_static_buffer_passes_equal_plain_passes(ouro):
 
 @pytest.mark.gpu
 def test_cuda_graph_passes_equal_plain_passes(tiny_dirs):
-    model = load_model(tiny_dirs["ouro"], device="cuda", load_tokenizer=False)
+    from rlt_compile import compile_model
+
+    model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda", load_tokenizer=False)
     want, _ = run_batcher(model, PROMPTS[:3], POLICIES[:3], 6, stagger=True)
+    with pytest.raises(ValueError, match="compiled model"):
+        run_batcher(model, PROMPTS[:3], POLICIES[:3], 6, graphs=True)
+    compile_model(model, platform="cuda")
     got, batcher = run_batcher(model, PROMPTS[:3], POLICIES[:3], 6, stagger=True, graphs=True)
     assert got == want and batcher.graph_runner.replays > 0

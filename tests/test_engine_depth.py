@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from depth_references import ouro_last_exited
 
-from rlt_compile import LLM, SamplingParams
+from rlt_compile import LLM, SamplingParams, load_model
 from rlt_compile.models.runner import greedy_generate
 
 PROMPTS = [[(i * 7 + j * 13) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 17, 9, 30))]
@@ -90,3 +90,14 @@ def test_depth_options_are_validated(tiny_dirs, ouro_llm):
         huginn.generate([PROMPTS[0]], greedy(exit_policy="full"), use_tqdm=False)
     with pytest.raises(ValueError, match="num_steps"):
         huginn.generate([PROMPTS[0]], greedy(num_steps=5), use_tqdm=False)
+
+
+def test_graph_safe_options_only_for_fixed_exits(tiny_dirs):
+    from rlt_compile.engine.model_runner import graph_safe_options
+
+    ouro = load_model(tiny_dirs["ouro"], load_tokenizer=False)
+    assert graph_safe_options(ouro, {})
+    assert graph_safe_options(ouro, {"kv_layout": "delayed", "exit_threshold": 0.5})
+    assert not graph_safe_options(ouro, {"kv_layout": "last-exited"})
+    assert not graph_safe_options(ouro, {"kv_layout": "last-exited", "exit_at_step": 9})
+    assert graph_safe_options(ouro, {"kv_layout": "last-exited", "exit_at_step": 2})

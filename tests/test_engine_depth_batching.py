@@ -222,7 +222,8 @@ def test_cuda_graph_depth_batching_equals_eager(tiny_dirs):
     model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda", load_tokenizer=False)
     params = [greedy(**POLICIES[i % 4][0]) for i in range(len(PROMPTS))]
     eager = LLM(model, num_blocks=64, depth_batching=True)
-    graphs = LLM(model, num_blocks=64, depth_batching=True, use_cuda_graphs=True, max_num_seqs=8)
+    compiled = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda", load_tokenizer=False)
+    graphs = LLM(compiled, num_blocks=64, depth_batching=True, compile=True, use_cuda_graphs=True, max_num_seqs=8)
     assert graphs.engine.depth.graph_runner is not None
     assert run(graphs, PROMPTS, params) == run(eager, PROMPTS, params)
     assert graphs.engine.depth.graph_runner.replays > 0

@@ -77,6 +77,16 @@ def choose_num_blocks(model: LoopedLM, config: EngineConfig, max_model_len: int,
     return blocks
 
 
+def graph_safe_options(model, options: dict) -> bool:
+    """Whether a decode step with these engine-wide options is capturable: Ouro's "last-exited"
+    layout needs an engine-wide fixed exit step (otherwise the loop ends where the gate says)."""
+    if model.family != "ouro" or options.get("kv_layout", "delayed") != "last-exited":
+        return True
+    steps = options.get("num_steps") or model.config.total_ut_steps
+    fixed = options.get("exit_at_step", model.config.early_exit_step)
+    return isinstance(fixed, int) and 0 <= fixed < steps
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
@@ -107,6 +117,13 @@ class ModelRunner:
         self.step_fn = self._build_step_fn()
         # with depth batching the DepthBatcher captures the decode graphs (LLMEngine)
         use_graphs = config.use_cuda_graphs and not config.depth_batching
+        if use_graphs and not graph_safe_options(model, self.model_options):
+            log.warning(
+                "use_cuda_graphs=True: model_options %s stop each batch at a data-dependent loop step (a host "
+                "read per step), which graphs cannot capture; decode runs compiled without graphs",
+                self.model_options,
+            )
+            use_graphs = False
         self.graph_runner = self._build_graph_runner() if use_graphs else None
 
     def _build_step_fn(self):

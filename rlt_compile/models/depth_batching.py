@@ -85,6 +85,12 @@ class DepthBatcher:
         from rlt_compile.graphs import CudaGraphRunner
 
         ref = self.folded[0]
+        graphs = ref.device.type == "cuda" if use_graphs is None else use_graphs
+        if graphs and "loop_step" not in vars(self.model):
+            raise ValueError(
+                "CUDA graphs of depth passes need the compiled model (rlt_compile.compile_model): the eager "
+                "attention op reads its metadata on the host, which graph capture forbids"
+            )
         self._carried = torch.zeros(max_rows, self.model.config.hidden_size, dtype=ref.dtype, device=ref.device)
         self._is_new = torch.zeros(max_rows, dtype=torch.bool, device=ref.device)
         runner = CudaGraphRunner(self._graph_step, self.kv_caches, max_rows, max_blocks_per_seq, buckets,

@@ -39,12 +39,15 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary (Llama/Ouro/Nanbeige) on x [T, H, D], computed in x's dtype like HF."""
-    cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(x.dtype)
-    sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(x.dtype)
+    """Rotate-half rotary (Llama/Ouro/Nanbeige) on x [T, H, D], computed in x's dtype like HF.
+
+    HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` written per half: the same products
+    and sums element by element, without concatenating cos/sin (Inductor materialises such a cat
+    of graph inputs as separate kernels, four per layer)."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat([x1 * cos + (-x2) * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

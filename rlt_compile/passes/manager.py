@@ -101,7 +101,7 @@ def pass_registry() -> dict[str, type]:
     return {"attention_swap": AttentionSwapPass, "dot_precision": DotPrecisionPass, "fuse_linears": FuseLinearsPass}
 
 
-DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision")
+DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision", "fuse_linears")
 
 
 def build_passes(spec: Iterable[str | GraphPass] | None = None) -> list[GraphPass]:
