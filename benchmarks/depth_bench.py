@@ -86,7 +86,7 @@ def engine_mixed_exits(requests: int, prompt: int, out_tokens: int) -> list[tupl
 
         def run(n_out, eng=eng, mixed=mixed):
             for i, p in enumerate(prompts):
-                extra = {"exit_at_step": i % 4} if mixed else {}
+                extra = {"exit_policy": "fixed", "exit_step": i % 4} if mixed else {}
                 eng.add_request(None, p, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True, **extra))
             steps = 0
             while eng.has_unfinished():
