@@ -9,6 +9,11 @@ CUDA graph, and derives the speedup for acceptance rates alpha:
 ``E = (1 - alpha^(K+1)) / (1 - alpha)``. Random weights give no meaningful acceptance, so the
 rate is a parameter here. Part 2 times prefill of 1k/4k/8k-token prompts: one chunk after another
 (each chunk all loop steps) vs wavefront chunked prefill, same chunk size, compiled.
+Part 3 (``--pipeline``) decodes one sequence through the continuous depth batcher with CUDA graphs,
+with and without the token pipeline (``pipeline_draft_step=d``), on the random model as is (drafts
+almost never agree) and with forced agreement (the post-sublayer norm weights zeroed, so every loop
+step returns the same normalised state and every draft is right): ms per generated token and the
+accepted-draft fraction.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from rlt_compile.bench import CONFIGS, build_random_model, wall_ms
 from rlt_compile.compiler import compile_model
 from rlt_compile.kernels.metadata import build_metadata
+from rlt_compile.models.depth_batching import DepthBatcher
 from rlt_compile.models.wavefront import wavefront_prefill
 
 BLOCK = 16
@@ -91,6 +97,31 @@ def prefill_costs(model, cm, length: int, chunk: int):
     return out
 
 
+def pipeline_ms(model, context: int, tokens: int, draft_step: int | None) -> tuple[float, float]:
+    """(ms per generated token, accepted / drafted) for batch-1 decode through the depth batcher."""
+    import time
+
+    blocks = -(-(context + tokens + 16) // BLOCK)
+    planes = model.allocate_kv_cache(blocks, BLOCK, fold_steps=True)
+    batcher = DepthBatcher(model, planes, BLOCK, pipeline_draft_step=draft_step)
+    batcher.capture_graphs(max_rows=8, max_blocks_per_seq=blocks, buckets=[1, 2, 4, 8])
+    prompt = torch.randint(0, model.vocab_size, (context,)).tolist()
+    batcher.add(0, prompt, list(range(blocks)))
+    produced = 0
+    for _ in range(8):  # warm-up passes
+        produced += len(batcher.step())
+    torch.cuda.synchronize()
+    t0, start = time.perf_counter(), produced
+    while produced - start < tokens:
+        produced += len(batcher.step())
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / (produced - start)
+    accepted = batcher.accepted / batcher.drafts if batcher.drafts else 0.0
+    del batcher, planes
+    torch.cuda.empty_cache()
+    return ms, accepted
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,8,64")
@@ -100,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", default="1024,4096,8192")
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--pipeline", action="store_true", help="add part 3 (token pipeline, module doc)")
+    parser.add_argument("--skip-spec", action="store_true", help="skip parts 1 and 2")
     args = parser.parse_args(argv)
     k = args.num_draft
     lines = [
@@ -112,7 +145,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         model = build_random_model(CONFIGS["ouro-1.4b"], torch.bfloat16, torch.device("cuda"))
         cm = compile_model(model, platform="cuda")
-        for b in (int(x) for x in args.batch.split(",")):
+        for b in () if args.skip_spec else (int(x) for x in args.batch.split(",")):
             t_plain, t_draft, t_verify = spec_costs(model, cm, b, args.context, k, args.draft_steps)
             speedups = []
             for alpha in (0.5, 0.7, 0.9, 1.0):
@@ -131,12 +164,33 @@ def main(argv=None) -> int:
             "| prompt | chunk by chunk ms | wavefront ms | WCPB speedup | one-shot ms | WCPB tok/s |",
             "|---|---|---|---|---|---|",
         ]
-        for n in (int(x) for x in args.prefill.split(",")):
+        for n in () if args.skip_spec else (int(x) for x in args.prefill.split(",")):
             chunked, wave, one = prefill_costs(model, cm, n, args.chunk)
             print(f"prefill {n}: chunked {chunked:.1f} wavefront {wave:.1f} one-shot {one:.1f} ms", flush=True)
             lines.append(
                 f"| {n} | {chunked:.1f} | {wave:.1f} | {chunked / wave:.2f}x | {one:.1f} | {n / wave * 1e3:.0f} |"
             )
+        if args.pipeline:
+            lines += [
+                "",
+                "Token pipeline, batch 1, continuous depth batcher with CUDA graphs, 64 tokens after 8 warm-up passes:",
+                "",
+                "| model | pipeline | ms/token | tok/s | accepted drafts | speedup |",
+                "|---|---|---|---|---|---|",
+            ]
+            for forced in (False, True):
+                if forced:  # sublayer outputs vanish: every loop step gives the same normalised state
+                    for layer in model.model.layers:
+                        layer.input_layernorm_2.weight.zero_()
+                        layer.post_attention_layernorm_2.weight.zero_()
+                    model.model.norm.weight.fill_(1.0)
+                label = "forced agreement" if forced else "random weights"
+                base, _ = pipeline_ms(model, args.context, 64, None)
+                lines.append(f"| {label} | off | {base:.3f} | {1e3 / base:.0f} | - | 1.00x |")
+                for d in (0, 1):
+                    ms, acc = pipeline_ms(model, args.context, 64, d)
+                    print(f"pipeline {label} d={d}: {ms:.3f} ms/token (off {base:.3f}), accepted {acc:.2f}", flush=True)
+                    lines.append(f"| {label} | d={d} | {ms:.3f} | {1e3 / ms:.0f} | {acc:.0%} | {base / ms:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
