@@ -180,7 +180,9 @@ class LLMEngine:
             )
         batcher = DepthBatcher(self.model, self.runner.kv_caches, self.config.block_size)
         if self.config.use_cuda_graphs and self.runner.device.type == "cuda" and not self.config.compile:
-            log.warning("use_cuda_graphs=True needs compile=True (eager attention reads metadata on the host); no graphs")
+            log.warning(
+                "use_cuda_graphs=True needs compile=True (eager attention reads metadata on the host); no graphs"
+            )
         elif self.config.use_cuda_graphs:
             blocks = -(-self.max_model_len // self.config.block_size)
             batcher.capture_graphs(self.config.max_num_seqs, blocks, buckets=self.config.cuda_graph_buckets)
