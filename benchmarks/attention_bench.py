@@ -3,12 +3,25 @@
 Decode: GB/s of KV bytes read (K and V of every context token, once) and that as a % of the
 device-to-device copy bandwidth measured in the same run (copy bandwidth = 2 x bytes / time, read
 plus write). Prefill: causal attention TFLOP/s (2 x S^2 x H x D FLOPs per sequence: two matmuls,
-half of them masked). bf16, block size 16, medians of ``triton.testing.do_bench``. The SDPA
-baseline gets K/V already gathered into contiguous [B, Hkv, S, D] tensors (the gather is not
-timed), so it is an upper bound for a non-paged kernel.
+half of them masked). bf16, block size 16. The SDPA baseline gets K/V already gathered into
+contiguous [B, Hkv, S, D] tensors (the gather is not timed), so it is an upper bound for a
+non-paged kernel.
+
+Timing (``--timer graph``, the default on CUDA): every call is captured once in a CUDA graph (as the
+engine runs it) and the median of 50 replays is taken, each after a 128 MiB memset that flushes the
+L2 and keeps the GPU busy while the CPU enqueues the replay, so neither the Python launcher's host
+time nor an L2-warm KV read is measured. ``--timer do_bench``: ``triton.testing.do_bench`` medians
+(includes host launch time where the kernel is shorter than it).
+
+``--sweep``: for each decode case (Ouro MHA 16x128 and Nanbeige GQA 48/8x128, batch 1/32/128 x
+context 128/1024/8192) time the op's whole decode call (KV write + attention, what
+``rlt::attention_triton`` runs) for a small set of launcher configs (``config=`` of
+``attention_forward``: the old unified kernel, the decode kernel's default and one-knob variations of
+it), check each against SDPA (max abs err), and print the best per case next to the default.
 
     python benchmarks/attention_bench.py --out attention.md          # GPU, < 2 minutes
-    python benchmarks/attention_bench.py --smoke                     # tiny shapes, runs on CPU too
+    python benchmarks/attention_bench.py --sweep --out attention.md  # GPU, < 3 minutes
+    python benchmarks/attention_bench.py --smoke [--sweep]           # tiny shapes, runs on CPU too
 """
 
 from __future__ import annotations
@@ -23,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from rlt_compile.kernels.triton_attention import paged_attention_triton  # noqa: E402
+from rlt_compile.kernels import triton_attention as ta  # noqa: E402
+from rlt_compile.kernels.triton_attention import attention_forward, paged_attention_triton  # noqa: E402
 
 MODELS = {  # name -> (q heads, kv heads, head dim)
     "Ouro MHA 16x128": (16, 16, 128),
@@ -32,9 +46,42 @@ MODELS = {  # name -> (q heads, kv heads, head dim)
 BLOCK_SIZE = 16
 
 
+TIMER = "graph"
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def bench_graph(fn, device: torch.device, reps: int = 50) -> float:
+    """Median milliseconds of one CUDA-graph replay of ``fn`` (L2 flushed before each replay)."""
+    flush = _FLUSH.get("buf")
+    if flush is None:
+        flush = _FLUSH["buf"] = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    graph.replay()
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    del graph
+    return times[len(times) // 2]
+
+
 def bench(fn, device: torch.device) -> float:
     """Median milliseconds."""
     if device.type == "cuda":
+        if TIMER == "graph":
+            return bench_graph(fn, device)
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -74,6 +121,16 @@ def make_paged(batch, ctx, q_len, heads, kv_heads, dim, dtype, device, seed=0):
     return q, cache, tables, seq_lens, qsl, q_sdpa, k, v
 
 
+def decode_step_inputs(cache, tables, ctx):
+    """slot_mapping and this step's k/v rows for a decode batch whose token sits at position ctx - 1:
+    the rows already in the cache there, so the (fused) KV write leaves the cache and the SDPA
+    reference unchanged."""
+    pos = ctx - 1
+    slots = (tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).contiguous()
+    flat = cache.view(2, -1, *cache.shape[3:])
+    return slots, flat[0][slots].clone(), flat[1][slots].clone()
+
+
 def sdpa(q, k, v, scale, causal):
     if q.shape[1] != k.shape[1]:
         try:
@@ -95,14 +152,20 @@ def decode_rows(device, dtype, batches, contexts, copy_gbps):
                 scale = dim**-0.5
                 kv_bytes = 2 * batch * ctx * kv_heads * dim * cache.element_size()
 
-                def run_triton(split=None, q=q, cache=cache, tables=tables, seq_lens=seq_lens, qsl=qsl, scale=scale):
-                    return paged_attention_triton(q, cache, tables, seq_lens, qsl, scale, split_k=split)
+                def run_triton(
+                    split=None, config=None, q=q, cache=cache, tables=tables, seq_lens=seq_lens, qsl=qsl, scale=scale
+                ):
+                    return paged_attention_triton(q, cache, tables, seq_lens, qsl, scale, split_k=split, config=config)
 
                 out = run_triton()
                 ref = sdpa(q_s, k_s, v_s, scale, False).transpose(1, 2).reshape_as(out)
                 err = (out.float() - ref.float()).abs().max().item()
                 t_auto = bench(run_triton, device)
                 t_nosplit = bench(lambda: run_triton(False), device)
+                old = {"decode": False}
+                t_old = bench(lambda old=old: run_triton(config=old), device)
+                err = max(err, (run_triton(False).float() - ref.float()).abs().max().item())
+                err = max(err, (run_triton(config=old).float() - ref.float()).abs().max().item())
                 t_sdpa = bench(lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, False), device)
                 gbps = kv_bytes / (t_auto * 1e-3) / 1e9
                 rows.append(
@@ -114,6 +177,7 @@ def decode_rows(device, dtype, batches, contexts, copy_gbps):
                         f"{gbps:.0f}",
                         f"{100 * gbps / copy_gbps:.0f}%",
                         f"{kv_bytes / (t_nosplit * 1e-3) / 1e9:.0f}",
+                        f"{t_old * 1e3:.1f}",
                         f"{t_sdpa * 1e3:.1f}",
                         f"{kv_bytes / (t_sdpa * 1e-3) / 1e9:.0f}",
                         f"{t_sdpa / t_auto:.2f}x",
@@ -125,6 +189,107 @@ def decode_rows(device, dtype, batches, contexts, copy_gbps):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+SWEEP_BATCHES, SWEEP_CONTEXTS = (1, 32, 128), (128, 1024, 8192)
+
+
+def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: int) -> list[tuple[str, dict]]:
+    """A small set of launcher configs around the default (one knob at a time)."""
+    default_n = 64
+    table_blocks = -(-ctx // BLOCK_SIZE)
+    auto = ta.choose_decode_splits(batch, kv_heads, table_blocks, BLOCK_SIZE, default_n, num_sms)
+    cands = [
+        ("old: write + unified", {"decode": False}),
+        ("default", {}),
+        ("default, write kernel", {"fuse_write": False}),
+    ]
+    splits = {1, max(1, auto // 2), auto * 2}
+    max_splits = min(64, table_blocks)  # at least one KV block per split
+    cands += [(f"splits={n}", {"splits": n}) for n in sorted(splits) if n != auto and n <= max_splits]
+    for n in (32, 16 if ctx <= 1024 else 128):
+        cands.append((f"block_n={n}", {"block_n": n}))
+    cands.append(("waves=4", {"waves": 4}))
+    cands.append(("warps=8" if group > 1 else "warps=2", {"warps": 8 if group > 1 else 2}))
+    cands.append(("stages=3" if group > 1 else "stages=1", {"stages": 3 if group > 1 else 1}))
+    cands.append(("no table prefetch", {"prefetch": False}))
+    if group == 1:
+        cands.append(("tl.dot (16-row tile)", {"use_dot": True}))
+    seen, out = set(), []
+    for name, cfg in cands:
+        key = tuple(sorted(cfg.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append((name, cfg))
+    return out
+
+
+def sweep_rows(device, dtype, batches, contexts):
+    """Per decode case: every candidate config's time (whole op: KV write + attention) and error."""
+    num_sms = ta._sm_count(device)
+    rows, detail = [], []
+    for name, (heads, kv_heads, dim) in MODELS.items():
+        for ctx in contexts:
+            for batch in batches:
+                q, cache, tables, seq_lens, qsl, q_s, k_s, v_s = make_paged(
+                    batch, ctx, 1, heads, kv_heads, dim, dtype, device
+                )
+                slots, k_new, v_new = decode_step_inputs(cache, tables, ctx)
+                scale = dim**-0.5
+                ref = sdpa(q_s, k_s, v_s, scale, False).transpose(1, 2).reshape_as(q).float()
+                t_sdpa = bench(lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, False), device)
+                results = []
+                for cname, cfg in sweep_candidates(heads // kv_heads, batch, ctx, kv_heads, num_sms):
+
+                    def run(
+                        cfg=cfg,
+                        q=q,
+                        k=k_new,
+                        v=v_new,
+                        cache=cache,
+                        slots=slots,
+                        tables=tables,
+                        sl=seq_lens,
+                        qsl=qsl,
+                        scale=scale,
+                    ):
+                        return attention_forward(q, k, v, cache, slots, tables, sl, qsl, scale, config=cfg)
+
+                    try:
+                        err = (run().float() - ref).abs().max().item()
+                        ms = bench(run, device)
+                    except Exception as exc:  # a variant that does not compile / fit is reported, not fatal
+                        print(f"  {name} b{batch} ctx{ctx} {cname}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                        continue
+                    results.append((ms, cname, err))
+                    detail.append([name, batch, ctx, cname, f"{ms * 1e3:.1f}", f"{err:.1e}"])
+                    flag = "  <-- ERROR" if err > 5e-2 else ""
+                    print(f"  {name} b{batch} ctx{ctx} {cname:24s} {ms * 1e3:8.1f} us  err {err:.1e}{flag}", flush=True)
+                by_name = {c: (ms, err) for ms, c, err in results}
+                best_ms, best_name, best_err = min(r for r in results if r[2] <= 5e-2)
+                d_ms = by_name["default"][0]
+                old_ms = by_name["old: write + unified"][0]
+                kv_bytes = 2 * batch * ctx * kv_heads * dim * cache.element_size()
+                rows.append(
+                    [
+                        name,
+                        batch,
+                        ctx,
+                        f"{d_ms * 1e3:.1f}",
+                        f"{kv_bytes / (d_ms * 1e-3) / 1e9:.0f}",
+                        best_name,
+                        f"{best_ms * 1e3:.1f}",
+                        f"{d_ms / best_ms:.2f}x",
+                        f"{old_ms * 1e3:.1f}",
+                        f"{t_sdpa * 1e3:.1f}",
+                        f"{max(e for _, _, e in results):.1e}",
+                    ]
+                )
+                print(" | ".join(str(c) for c in rows[-1]), flush=True)
+                del q, cache, tables, seq_lens, qsl, q_s, k_s, v_s, ref, k_new, v_new, slots
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows, detail
 
 
 def prefill_rows(device, dtype, shapes):
@@ -175,32 +340,79 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter, fp32)")
+    parser.add_argument("--sweep", action="store_true", help="time launcher configs per decode case first")
+    parser.add_argument("--no-table", action="store_true", help="with --sweep: skip the decode/prefill tables")
+    parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph", help="CUDA timing method")
     args = parser.parse_args(argv)
+    global TIMER
+    TIMER = args.timer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         global MODELS
         MODELS = {"tiny MHA 2x16": (2, 2, 16), "tiny GQA 4/2x16": (4, 2, 16)}
         batches, contexts, prefill, copy_bytes = [1, 2], [40], [(2, 32)], 1 << 20
+        sweep_batches, sweep_contexts = [2], [40]
     else:
         if device.type != "cuda":
             print("attention_bench: needs a GPU (use --smoke for a CPU check)", file=sys.stderr)
             return 2
         batches, contexts, prefill, copy_bytes = [1, 32, 128], [1024, 8192], [(8, 1024), (1, 8192)], 1 << 30
+        sweep_batches, sweep_contexts = SWEEP_BATCHES, SWEEP_CONTEXTS
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     start = time.time()
     copy_gbps = copy_bandwidth(device, copy_bytes)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"# attention benchmark: {name}, {dtype}, block {BLOCK_SIZE}; d2d copy {copy_gbps:.0f} GB/s", flush=True)
 
-    dec = decode_rows(device, dtype, batches, contexts, copy_gbps)
-    pre = prefill_rows(device, dtype, prefill)
+    timer = "CUDA-graph replays, L2 flushed" if TIMER == "graph" else "triton.testing.do_bench"
     report = [
         f"# Attention kernels: {name}",
         "",
         f"torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, KV block size {BLOCK_SIZE}, "
-        f"medians of triton.testing.do_bench. Device-to-device copy bandwidth (same run): {copy_gbps:.0f} GB/s.",
+        f"medians of {timer}. Device-to-device copy bandwidth (same run): {copy_gbps:.0f} GB/s.",
         "",
+    ]
+    if args.sweep:
+        print("# decode config sweep (whole op: KV write + attention)", flush=True)
+        sweep, detail = sweep_rows(device, dtype, sweep_batches, sweep_contexts)
+        report += [
+            "## Decode config sweep: rlt::attention_triton's decode call (KV write + attention)",
+            "",
+            table(
+                [
+                    "model",
+                    "batch",
+                    "context",
+                    "default us",
+                    "default GB/s",
+                    "best config",
+                    "best us",
+                    "default / best",
+                    "old unified us",
+                    "SDPA us",
+                    "max abs err (all)",
+                ],
+                sweep,
+            ),
+            "",
+            "<details><summary>every candidate</summary>",
+            "",
+            table(["model", "batch", "context", "config", "us", "max abs err"], detail),
+            "",
+            "</details>",
+            "",
+        ]
+        if args.no_table:
+            text = "\n".join(report)
+            print(text)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(text)
+            return 0
+    dec = decode_rows(device, dtype, batches, contexts, copy_gbps)
+    pre = prefill_rows(device, dtype, prefill)
+    report += [
         "## Decode (one query per sequence): KV bytes read per second",
         "",
         table(
@@ -212,6 +424,7 @@ def main(argv=None) -> int:
                 "triton GB/s",
                 "% of copy BW",
                 "no-split GB/s",
+                "old unified us",
                 "SDPA us",
                 "SDPA GB/s",
                 "speedup vs SDPA",

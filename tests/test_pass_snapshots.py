@@ -64,6 +64,20 @@ class QKV(torch.nn.Module):
         return F.silu(self.q(x)) + self.k(x).repeat(1, 2) * self.v(x).repeat(1, 2)
 
 
+class Sandwich(torch.nn.Module):
+    """Ouro's pattern, smallest: a sublayer output's post-norm, the residual add, the next pre-norm."""
+
+    def __init__(self):
+        super().__init__()
+        from rlt_compile.models.layers import RMSNorm
+
+        self.post_norm, self.pre_norm = RMSNorm(8, 1e-6), RMSNorm(8, 1e-5)
+
+    def forward(self, h, y):
+        h = h + self.post_norm(y)
+        return h, self.pre_norm(h)
+
+
 class TestPassSnapshots(expecttest.TestCase):
     maxDiff = None
 
@@ -172,5 +186,46 @@ repeat_1 = narrow_2.repeat(1, 2)
 mul = mul(repeat, repeat_1)
 add = add(silu, mul)
 return (add,)
+""",
+        )
+
+    def test_fuse_rmsnorm_cuda(self):
+        captured = capture(Sandwich(), torch.randn(3, 8), torch.randn(3, 8))
+        self.assertExpectedInline(
+            before_after(captured, ["fuse_rmsnorm"], "cuda"),
+            """\
+# before
+input y
+input post_norm.weight
+input h_in
+input pre_norm.weight
+xf = y.float()
+pow_1 = xf.pow(2)
+mean = pow_1.mean(-1, keepdim=True)
+add = add(mean, 1e-06)
+rsqrt = torch.rsqrt(add)
+xf_1 = mul(xf, rsqrt)
+to = xf_1.to(torch.float32)
+mul_1 = mul(post_norm.weight, to)
+h = add(h_in, mul_1)
+xf_2 = h.float()
+pow_2 = xf_2.pow(2)
+mean_1 = pow_2.mean(-1, keepdim=True)
+add_2 = add(mean_1, 1e-05)
+rsqrt_1 = torch.rsqrt(add_2)
+xf_3 = mul(xf_2, rsqrt_1)
+to_1 = xf_3.to(torch.float32)
+mul_3 = mul(pre_norm.weight, to_1)
+return (h, mul_3)
+# after
+# fuse_rmsnorm: 2 RMSNorms + 1 residual adds -> 1 fused ops (1 rlt.add_rmsnorm2)
+input y
+input post_norm.weight
+input h
+input pre_norm.weight
+add_rmsnorm2_default = rlt.add_rmsnorm2(y, h, post_norm.weight, pre_norm.weight, 1e-06, 1e-05)
+getitem = getitem(add_rmsnorm2_default, 0)
+getitem_1 = getitem(add_rmsnorm2_default, 1)
+return (getitem, getitem_1)
 """,
         )

@@ -136,7 +136,7 @@ def test_dot_precision(graphs, kind, graph, matmul_precision, expected):
         torch.set_float32_matmul_precision(old)
     nodes = attention_nodes(gm, TRITON_OP)
     assert [n.args[-1] for n in nodes] == [expected] * 2
-    assert [r.pass_name for r in records] == ["attention_swap", "dot_precision"]
+    assert [r.pass_name for r in records] == ["attention_swap", "dot_precision", "fuse_rmsnorm"]
     assert f"precision={expected!r}" in records[1].message
     assert kind in records[1].message
 
@@ -162,7 +162,8 @@ def test_manager_logs_each_change(graphs, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("[loop_step] attention_swap: 3 nodes rlt.attention -> rlt.attention_triton")
     assert messages[1].startswith("[loop_step] dot_precision: rlt.attention_triton on rocm: 3 nodes")
-    assert [r.pass_name for r in manager.history] == ["attention_swap", "dot_precision"]
+    assert messages[2].startswith("[loop_step] fuse_rmsnorm: 7 RMSNorms")
+    assert [r.pass_name for r in manager.history] == ["attention_swap", "dot_precision", "fuse_rmsnorm"]
 
 
 def test_custom_pass_objects_run_in_order(graphs):

@@ -125,7 +125,7 @@ else:
 model = tiny_model("ouro", num_hidden_layers=1)
 gm = capture_unit_graph(model, "loop_step", *loop_step_inputs(model))
 records = run_passes(gm, p, unit="loop_step")
-assert [r.pass_name for r in records] == ["attention_swap", "dot_precision"], records
+assert [r.pass_name for r in records] == ["attention_swap", "dot_precision", "fuse_rmsnorm"], records
 assert not seen, f"flash_attn looked up on ROCm: {seen}"
 assert not [m for m in sys.modules if m.split(".")[0] == "flash_attn"], "flash_attn imported"
 for knob in ("HIP_FORCE_DEV_KERNARG", "HSA_ENABLE_INTERRUPT"):
@@ -186,7 +186,7 @@ def test_dot_precision_pass_marks_every_triton_dot_ieee(ouro_graphs, dtype, arch
     nodes = [n for n in gm.graph.nodes if is_op(n, TRITON_OP)]
     assert nodes, "attention_swap did not install the Triton op on ROCm"
     assert [n.args[-1] for n in nodes] == ["ieee"] * len(nodes)
-    assert [r.pass_name for r in records] == ["attention_swap", "dot_precision"]
+    assert [r.pass_name for r in records] == ["attention_swap", "dot_precision", "fuse_rmsnorm"]
     assert "precision='ieee'" in records[1].message and "on rocm" in records[1].message
 
 

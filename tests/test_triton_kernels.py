@@ -23,9 +23,12 @@ from rlt_compile.kernels.reference import (
     paged_attention_reference,
 )
 from rlt_compile.kernels.triton_attention import (
+    attention_forward,
+    choose_decode_splits,
     choose_num_splits,
     kv_write_triton,
     paged_attention_triton,
+    uses_decode_kernel,
 )
 
 CUDA = torch.cuda.is_available()
@@ -91,17 +94,24 @@ def make_case(
     return q, k, v, cache, md
 
 
-def check_attention(case, split_k, precision="ieee", tol=None):
+def check_attention(case, split_k, precision="ieee", tol=None, config=None, fused=False):
+    """Reference vs Triton: KV write then attention. ``fused``: through ``attention_forward`` (the
+    op's path: on decode shapes the write happens inside the decode kernel), else the separate write
+    kernel + ``paged_attention_triton``. The cache is compared after the write either way."""
     q, k, v, cache, md = case
     scale = q.shape[-1] ** -0.5
     ref_cache = cache.clone()
     kv_write_reference(k, v, ref_cache, md.slot_mapping)
     ref = paged_attention_reference(q, ref_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
-    kv_write_triton(k, v, cache, md.slot_mapping)
+    meta = (md.block_tables, md.seq_lens, md.query_start_loc, scale)
+    if fused:
+        out = attention_forward(
+            q, k, v, cache, md.slot_mapping, *meta, precision=precision, split_k=split_k, config=config
+        )
+    else:
+        kv_write_triton(k, v, cache, md.slot_mapping)
+        out = paged_attention_triton(q, cache, *meta, precision=precision, split_k=split_k, config=config)
     assert torch.equal(cache, ref_cache)
-    out = paged_attention_triton(
-        q, cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, precision=precision, split_k=split_k
-    )
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.float(), ref.float(), **(tol or TOL[q.dtype]))
     n_real = int(md.query_start_loc[-1])
@@ -235,6 +245,155 @@ def test_launcher_reads_no_tensor_values(monkeypatch):
     kv_write_triton(k, v, cache, md.slot_mapping)
     for split in (False, 2, None):
         paged_attention_triton(q, cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.25, split_k=split)
+    q, k, v, cache, md = make_case([1, 1, 1], [9, 30, 2], 4, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    for split in (False, 2, None):  # the decode kernel, KV write fused
+        attention_forward(q, k, v, cache, *md, 0.25, split_k=split)
+        paged_attention_triton(q, cache, *md[1:], 0.25, split_k=split)
+
+
+# ------------------------------------------------------------------------- CPU: the decode kernel
+# Context lengths cross block (16/32) and key-tile boundaries; seq_len = context + 1.
+DECODE_MIXES = {
+    "b1": [47],
+    "b5": [0, 15, 16, 31, 64],
+    "b3-long": [95, 3, 130],
+}
+DECODE_HEADS = {"mha4": (4, 4), "gqa8/2": (8, 2), "gqa6/2": (6, 2)}  # group 1, 4 and 3 (padded to 4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["write-kernel", "fused-write"])
+@pytest.mark.parametrize("split_k", [False, 4, None], ids=["nosplit", "split4", "auto"])
+@pytest.mark.parametrize("heads", list(DECODE_HEADS))
+@pytest.mark.parametrize("mix", list(DECODE_MIXES))
+def test_decode_kernel_fp32(mix, heads, split_k, fused):
+    ctx = DECODE_MIXES[mix]
+    block_size = 32 if mix == "b3-long" else 16
+    case = make_case(
+        [1] * len(ctx), ctx, *DECODE_HEADS[heads], 32, block_size, torch.float32, pad_tokens=2, pad_seqs=2, seed=20
+    )
+    assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
+    check_attention(case, split_k, fused=fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["write-kernel", "fused-write"])
+@pytest.mark.parametrize("split_k", [False, 2], ids=["nosplit", "split2"])
+@pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
+def test_decode_kernel_fp16(heads, split_k, fused):
+    case = make_case([1] * 4, [5, 16, 33, 70], *DECODE_HEADS[heads], 32, 16, torch.float16, pad_tokens=1, pad_seqs=1)
+    check_attention(case, split_k, fused=fused)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"use_dot": True},  # MHA through a 16-row tl.dot tile
+        {"use_dot": False, "block_n": 32},  # broadcast-multiply path, a tile of two blocks
+        {"block_n": 64, "splits": 2},
+        {"block_n": 16, "splits": 8, "waves": 4},  # more splits than the short sequences have tiles
+        {"warps": 2, "stages": 2, "reduce_warps": 1, "splits": 2},
+        {"prefetch": False, "splits": 2},
+        {"fuse_write": False, "splits": 4},
+        {"decode": False},  # decode shapes through the unified kernel
+        {"decode": False, "block_m": 32, "block_n": 32, "splits": 2},
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+@pytest.mark.parametrize("heads", ["mha4", "gqa8/2"])
+def test_decode_config_overrides(heads, config):
+    case = make_case([1] * 3, [40, 7, 90], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    check_attention(case, None, config=config)
+    check_attention(case, None, config=config, fused=True)
+
+
+def test_decode_kernel_gqa_without_dot_and_block_smaller_than_block_size():
+    # group 2 through the 3-D broadcast path; 16-position tiles inside 64-position KV blocks
+    case = make_case([1] * 3, [100, 64, 1], 4, 2, 16, 64, torch.float32, pad_tokens=1, pad_seqs=1, seed=21)
+    for split in (False, 4):
+        check_attention(case, split, config={"use_dot": False}, fused=True)
+        check_attention(case, split, config={"use_dot": False})
+
+
+@pytest.mark.parametrize("head_dim", [24, 96])
+def test_decode_kernel_non_power_of_two_head_dim(head_dim):
+    case = make_case([1, 1], [20, 33], 4, 2, head_dim, 16, torch.float32, seed=22)
+    for split in (False, 2):
+        check_attention(case, split, fused=True)
+        check_attention(case, split, config={"use_dot": False})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["write-kernel", "fused-write"])
+@pytest.mark.parametrize("split_k", [False, 4])
+def test_decode_shape_with_a_multi_token_sequence(split_k, fused):
+    """num_tokens == num_seqs is a shape, not a promise: a 3-token sequence plus padding sequences
+    has that shape too. Rows then find their sequence by counting, and (fused) read this step's
+    other keys from k/v."""
+    case = make_case([1, 3, 1], [30, 17, 0], 4, 2, 16, 16, torch.float32, pad_seqs=2, seed=23)
+    assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
+    check_attention(case, split_k, fused=fused)
+    case = make_case([4], [0], 2, 2, 16, 16, torch.float32, pad_seqs=3, seed=24)  # a pure prefill
+    check_attention(case, split_k, fused=fused)
+    # more sequences than one 64-wide counting chunk; the multi-token sequence sits in the second chunk
+    case = make_case([1] * 66 + [3, 1], [5] * 66 + [20, 9], 2, 1, 16, 16, torch.float32, pad_seqs=2, seed=27)
+    assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
+    check_attention(case, split_k, fused=fused)
+
+
+@pytest.mark.parametrize("split_k", [False, 4])
+def test_decode_kernel_writes_every_output_row(monkeypatch, split_k):
+    case = make_case([1, 1], [9, 20], 4, 2, 16, 16, torch.float32, pad_tokens=4, pad_seqs=4, seed=25)
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    check_attention(case, split_k, fused=True)
+    check_attention(case, split_k)
+
+
+def test_decode_kernel_single_padding_only_batch():
+    case = make_case([1], [0], 2, 1, 16, 16, torch.float32, pad_tokens=3, pad_seqs=3, seed=26)
+    check_attention(case, None, fused=True)
+    check_attention(case, 8, fused=True)
+
+
+def test_fused_write_fp16_cache_from_fp32_inputs():
+    q, k, v, cache, md = make_case([1, 1, 1], [3, 16, 40], 4, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    case = (q.half(), k, v, cache.half(), md)  # k/v are cast to the cache dtype, also where read directly
+    check_attention(case, 2, fused=True)
+
+
+def test_choose_decode_splits_shape_only():
+    assert choose_decode_splits(64, 8, 512, 16, 64, 132) == 1  # 512 programs >= 2 waves
+    s = choose_decode_splits(1, 16, 64, 16, 64, 132)
+    assert s == 16  # 16 programs -> 32 wanted; 16 tiles of 64 positions in the table
+    assert choose_decode_splits(1, 16, 13, 16, 64, 132) == 4  # 208 positions: 4 tiles of 64
+    assert choose_decode_splits(1, 16, 13, 16, 16, 132) == 8  # one-block tiles: 13 tiles
+    assert choose_decode_splits(1, 8, 4096, 16, 64, 132) == 64  # capped at _MAX_SPLITS
+    assert choose_decode_splits(32, 8, 512, 16, 64, 132) == 2
+    assert choose_decode_splits(32, 8, 512, 16, 64, 132, waves=1) == 1
+    assert choose_decode_splits(0, 8, 512, 16, 64, 132) == 1
+    for batch in (1, 3, 17):
+        n = choose_decode_splits(batch, 2, 100, 16, 32, 64)
+        assert n & (n - 1) == 0 and 1 <= n <= 64
+
+
+def test_decode_kernel_selection_and_config_validation():
+    assert uses_decode_kernel(4, 4) and not uses_decode_kernel(5, 4)
+    assert not uses_decode_kernel(4, 4, {"decode": False})
+    assert not uses_decode_kernel(5, 4, {"decode": True})  # never for a non-decode shape
+    case = make_case([1, 1], [3, 4], 2, 2, 16, 16, torch.float32)
+    q, _, _, cache, md = case
+    with pytest.raises(ValueError, match="unknown attention config"):
+        paged_attention_triton(q, cache, *md[1:], 0.25, config={"blok_n": 32})
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention_triton(q, cache, *md[1:], 0.25, config={"block_n": 24})
+
+
+def test_custom_op_fused_decode_matches_generic_op():
+    q, k, v, cache, md = make_case([1] * 4, [17, 0, 40, 5], 8, 2, 32, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    cache_ref = cache.clone()
+    args = (md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.2)
+    ref = torch.ops.rlt.attention(q, k, v, cache_ref, *args)
+    out = torch.ops.rlt.attention_triton(q, k, v, cache, *args, "ieee")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, cache_ref)
 
 
 def test_custom_op_matches_generic_op():
@@ -348,6 +507,94 @@ def test_gpu_decode_all_splits(batch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-write", "write-kernel"])
+@pytest.mark.parametrize("heads", [(48, 8, 128), (16, 16, 128), (8, 2, 96)], ids=["gqa48/8", "mha16", "gqa-d96"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_decode_kernel_parity(dtype, heads, fused):
+    """The decode kernel (all-decode shapes) with its default and the sweep's config variations."""
+    ctx = [1, 17, 500, 1023, 1024, 2049, 4000]
+    case = make_case([1] * len(ctx), ctx, *heads, 16, dtype, pad_tokens=2, pad_seqs=2, device="cuda", seed=30)
+    assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else None
+    group = heads[0] // heads[1]
+    configs = [None, {"splits": 1}, {"splits": 8}, {"splits": 64, "block_n": 16}, {"use_dot": group == 1}]
+    configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
+    configs += [{"prefetch": False}, {"waves": 4}]
+    for config in configs:
+        check_attention(case, None, tol=tol, config=config, fused=fused)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_gpu_decode_kernel_block_sizes_and_multi_token_rows(block_size):
+    ctx = [0, 63, 64, 65, 700]
+    case = make_case([1] * 5, ctx, 16, 4, 128, block_size, torch.bfloat16, pad_tokens=3, pad_seqs=3, device="cuda")
+    for split in (None, 1, 4):
+        check_attention(case, split, fused=True)
+        check_attention(case, split)
+    # a decode-shaped batch holding a 4-token sequence (rows find their sequence by counting)
+    case = make_case([1, 4, 1], [300, 70, 0], 16, 4, 128, block_size, torch.bfloat16, pad_seqs=3, device="cuda")
+    for split in (None, 1, 4):
+        check_attention(case, split, fused=True)
+        check_attention(case, split)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", [None, {"splits": 1}, {"splits": 16}, {"use_dot": True}, {"decode": False}], ids=str)
+@pytest.mark.parametrize("kv_heads", [4, 16])
+def test_gpu_cuda_graph_replay_fused_decode(kv_heads, config):
+    """rlt::attention's decode path (KV write fused into the decode kernel) captured once, replayed
+    with new metadata/q/k/v: output and the written cache rows match."""
+    bs, heads, dim, block, max_blocks = 6, 16, 128, 16, 40
+    num_blocks = bs * max_blocks + 1
+    dev = "cuda"
+    cache = torch.randn(2, num_blocks, block, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(bs, heads, dim, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    static = build_metadata(
+        [1] * bs, [0] * bs, [[i + 1] for i in range(bs)], block, device=dev, pad_blocks_to=max_blocks
+    )
+
+    def step():
+        return attention_forward(q, k, v, cache, *static, dim**-0.5, config=config)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial in range(3):
+        gen = torch.Generator().manual_seed(100 + trial)
+        n_real = bs - trial  # the last rows become padding (slot -1, empty sequences)
+        ctx = torch.randint(0, max_blocks * block - 1, (n_real,), generator=gen).tolist()
+        perm = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()
+        tables = [perm[i * max_blocks : (i + 1) * max_blocks] for i in range(n_real)]
+        md = build_metadata(
+            [1] * n_real, ctx, tables, block, device=dev, pad_tokens_to=bs, pad_seqs_to=bs, pad_blocks_to=max_blocks
+        )
+        for dst, src in zip(static, md):
+            dst.copy_(src)
+        q.normal_()
+        k.normal_()
+        v.normal_()
+        before = cache.clone()
+        graph.replay()
+        ref_cache = before.clone()
+        kv_write_reference(k, v, ref_cache, md.slot_mapping)
+        assert torch.equal(cache, ref_cache)
+        ref = paged_attention_reference(q, ref_cache, md.block_tables, md.seq_lens, md.query_start_loc, dim**-0.5)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+        assert torch.count_nonzero(out[n_real:]) == 0
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("split_k", [None, False])
 def test_gpu_cuda_graph_replay_with_new_metadata(split_k):
     """Capture once with a padded shape, then change the metadata values in place and replay."""
@@ -405,3 +652,13 @@ def test_gpu_custom_op_under_inductor():
     out = torch.compile(step, fullgraph=True)(q, k, v, cache, *md)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(cache, cache_ref)
+
+
+def test_large_mha_decode_batches_take_the_unified_kernel():
+    """Measured choice (docs/benchmarks.md): MHA decode beyond two waves of programs runs the unified
+    kernel; GQA and small MHA batches the decode kernel; an explicit config wins."""
+    assert uses_decode_kernel(16, 16, None, 1, 16, 132)  # 256 programs <= 2 waves
+    assert not uses_decode_kernel(32, 32, None, 1, 16, 132)  # 512 programs
+    assert uses_decode_kernel(128, 128, None, 6, 8, 132)  # GQA: always the decode kernel
+    assert uses_decode_kernel(32, 32, {"decode": True}, 1, 16, 132)
+    assert not uses_decode_kernel(33, 32, None, 6, 8, 132)

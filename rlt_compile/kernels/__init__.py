@@ -1,6 +1,10 @@
-"""Kernels: the attention custom ops, their torch references and the Triton paged kernels."""
+"""Kernels: the attention custom ops, their torch references and the Triton paged kernels; the fused
+residual-add + RMSNorm ops (``rmsnorm.py``)."""
 
-from rlt_compile.kernels import ops  # noqa: F401  (registers torch.ops.rlt.*)
+from rlt_compile.kernels import (
+    ops,  # noqa: F401  (registers torch.ops.rlt.*)
+    rmsnorm,  # noqa: F401  (registers torch.ops.rlt.*rmsnorm*)
+)
 from rlt_compile.kernels.metadata import AttentionMetadata, build_metadata
 from rlt_compile.kernels.triton_attention import (
     kv_write_triton,

@@ -101,13 +101,19 @@ class Workload:
     # (buffer loads with 32-bit offsets, ``tt.pointer_range``); engine pools produce both cases
     # (many loop slots -> small planes), so the workloads below cover both.
     num_blocks: int = 4096
+    hidden_size: int = 0  # the residual stream (RMSNorm kernels); 0 = num_heads * head_dim
+
+    @property
+    def hidden(self) -> int:
+        return self.hidden_size or self.num_heads * self.head_dim
 
 
 # The supported families (docs/models.md): MHA with head_dim 128, GQA 48/8, and a head_dim that is not
 # a power of two (padded to 128 with masks); KV planes under and over 2 GiB.
 WORKLOADS: tuple[Workload, ...] = (
     Workload("ouro-1.4b", num_heads=16, num_kv_heads=16, head_dim=128, num_blocks=8192),  # 1 GiB bf16 plane
-    Workload("nanbeige-4.2-3b", num_heads=48, num_kv_heads=8, head_dim=128, num_blocks=65536),  # 4 GiB
+    # 4 GiB plane; hidden 3072 (its q_proj widens to 48 x 128 = 6144)
+    Workload("nanbeige-4.2-3b", num_heads=48, num_kv_heads=8, head_dim=128, num_blocks=65536, hidden_size=3072),
     Workload("huginn-0125", num_heads=55, num_kv_heads=55, head_dim=96, num_blocks=2048),  # 0.8 GiB
 )
 
@@ -278,17 +284,17 @@ def _run_launchers(workload: Workload, dtype: torch.dtype, mode: str, precision:
     seq_lens = torch.empty(num_seqs, dtype=torch.int32, device=meta)
     query_start_loc = torch.empty(num_seqs + 1, dtype=torch.int32, device=meta)
 
+    split_k = {"prefill": None, "decode": False, "decode-split": True}[mode]
+    metadata = (block_tables, seq_lens, query_start_loc, w.head_dim**-0.5)
     triton_attention.kv_write_triton(k, v, kv_cache, slot_mapping)
+    # The unified kernel (prefill / mixed batches; for decode shapes with the decode kernel turned off).
     triton_attention.paged_attention_triton(
-        q,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        w.head_dim**-0.5,
-        precision=precision,
-        split_k={"prefill": None, "decode": False, "decode-split": True}[mode],
+        q, kv_cache, *metadata, precision=precision, split_k=split_k, config={"decode": False}
     )
+    if mode != "prefill":  # what rlt::attention_triton runs for all-decode batches: the decode kernel, KV write fused
+        triton_attention.attention_forward(
+            q, k, v, kv_cache, slot_mapping, *metadata, precision=precision, split_k=split_k
+        )
 
 
 def capture_launches(
@@ -310,7 +316,21 @@ def capture_launches(
                 label = f"{w.name}/{_DTYPE_NAMES.get(dtype, dtype)}/{mode}"
                 with _as_target(platform), _recording(records, label):
                     _run_launchers(w, dtype, mode, prec)
+                    _run_norm_launchers(w, dtype, mode)
     return records
+
+
+def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
+    """The fused RMSNorm kernel in each variant the fuse_rmsnorm pass emits, on meta tensors."""
+    from rlt_compile.kernels import rmsnorm
+
+    rows = 128 if mode == "prefill" else 8
+    y = torch.empty(rows, workload.hidden, dtype=dtype, device="meta")
+    w = torch.empty(workload.hidden, dtype=dtype, device="meta")
+    rmsnorm.rmsnorm_triton(y, w, 1e-6)
+    rmsnorm.add_rmsnorm_triton(y, y, w, 1e-6)
+    rmsnorm.add_rmsnorm2_triton(y, y, w, w, 1e-6, 1e-6)
+    rmsnorm.add_rmsnorm_rmsnorm_triton(y, y, w, w, 1e-6, 1e-6)
 
 
 # ------------------------------------------------------------------------------ specialisations

@@ -1,6 +1,6 @@
 """Triton paged-attention kernels and the ``rlt::attention_triton`` custom op.
 
-Three kernels serve the varlen batch layout of ``metadata.py``:
+Four kernels serve the varlen batch layout of ``metadata.py``:
 
 * ``_kv_write_kernel`` scatters this step's K/V rows into the paged cache plane
   ``kv_cache[2, num_blocks, block_size, Hkv, D]`` at ``slot_mapping[t]`` (negative = skip).
@@ -12,9 +12,16 @@ Three kernels serve the varlen batch layout of ``metadata.py``:
   grid's first axis has ``num_tokens // BLOCK_Q + num_seqs`` programs, an upper bound on the
   number of query tiles, and sequence ``s`` owns the programs from ``query_start_loc[s] // BLOCK_Q
   + s`` on (a strictly increasing sequence, so each program finds its sequence by counting).
-* With ``NUM_SPLITS > 1`` the same kernel is the first half of split-K ("flash-decoding"): every
-  program handles one slice of the context and writes its normalised partial output plus its
-  log2-sum-exp; ``_split_reduce_kernel`` then merges the slices.
+* ``_paged_attention_decode_kernel`` serves all-decode shapes (``num_tokens == num_seqs``, a
+  shape-only choice): one program per (token, KV head, context split), no search prologue on the
+  fast path (sequence t owns exactly token t; other rows count their sequence), the GQA group's
+  heads as the rows of a ``tl.dot`` tile or, for MHA, q.K as a multiply + sum (no padded rows),
+  the next tile's block-table entries prefetched. ``rlt::attention_triton`` fuses the KV write
+  into it: split 0 of (token, KV head) stores the new row and every split reads this step's keys
+  from k/v themselves, so no program waits for another's store.
+* With ``NUM_SPLITS > 1`` either attention kernel is the first half of split-K ("flash-decoding"):
+  every program handles one slice of the context and writes its normalised partial output plus
+  its log2-sum-exp; ``_split_reduce_kernel`` then merges the slices.
 
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
 launchers can run inside CUDA/HIP graph capture. Head dims that are not a power of two (Huginn
@@ -31,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 
 import torch
 import triton
@@ -39,10 +47,14 @@ import triton.language as tl
 from rlt_compile import platform as _platform
 
 __all__ = [
+    "CONFIG_KEYS",
+    "attention_forward",
     "attention_triton",
+    "choose_decode_splits",
     "choose_num_splits",
     "kv_write_triton",
     "paged_attention_triton",
+    "uses_decode_kernel",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -228,6 +240,212 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + split64 * stride_ls + token * stride_lt + head, lse, mask=row_valid)
 
 
+def _paged_attention_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    num_seqs,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    FUSE_WRITE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    t64 = t.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    head_off = kv_head.to(tl.int64) * stride_ch
+
+    if FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime) split 0 writes this token and head's K/V row
+        if split == 0:
+            slot = tl.load(slot_ptr + t64).to(tl.int64)
+            if slot >= 0:
+                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off
+                k_row = tl.load(k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd, mask=d_mask)
+                tl.store(k_cache_ptr + dst + offs_d * stride_cd, k_row.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+                v_row = tl.load(v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd, mask=d_mask)
+                tl.store(v_cache_ptr + dst + offs_d * stride_cd, v_row.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+
+    # Token t's sequence. Fast path (a pure decode row): sequence t owns exactly token t. Otherwise
+    # (padding rows, or a multi-token sequence in a batch that merely has num_tokens == num_seqs) count.
+    q_start = tl.load(query_start_ptr + t)
+    q_end = tl.load(query_start_ptr + t + 1)
+    seq_len = tl.load(seq_lens_ptr + t)
+    seq = t
+    if (q_start != t) | (q_end != t + 1):
+        seq = 0  # the number of sequences ending at or before t; == num_seqs: a padding row past the last one
+        for base in range(0, num_seqs, SEQ_CHUNK):
+            offs_s = base + tl.arange(0, SEQ_CHUNK)
+            ends = tl.load(query_start_ptr + 1 + offs_s, mask=offs_s < num_seqs, other=1 << 30)
+            seq += tl.sum((ends <= t).to(tl.int32), axis=0)
+        safe = tl.minimum(seq, num_seqs - 1)
+        q_start = tl.load(query_start_ptr + safe)
+        q_end = tl.load(query_start_ptr + safe + 1)
+        seq_len = tl.where(seq < num_seqs, tl.load(seq_lens_ptr + safe), 0)
+
+    offs_r = tl.arange(0, ROWS)
+    head = kv_head * GROUP + offs_r
+    row_valid = offs_r < GROUP
+    if seq >= num_seqs:  # padding row: zeros (the split reduce writes them when splitting)
+        if NUM_SPLITS == 1:
+            o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+            zeros = tl.zeros([ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=row_valid[:, None] & d_mask[None, :])
+        return
+
+    q_len = q_end - q_start
+    ctx_len = seq_len - q_len  # cached positions; [ctx_len, seq_len) are this step's tokens
+    kv_end = ctx_len + (t - q_start) + 1  # causal: keys up to and including this token's position
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+        kv_lo = split * tiles_per_split * BLOCK_N
+        kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+    if FUSE_WRITE:
+        cache_hi = tl.minimum(kv_hi, ctx_len)
+    else:
+        cache_hi = kv_hi
+
+    q_ptrs = q_ptr + t64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if USE_DOT:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty).to(tl.float32) * scale_log2
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # PREFETCH: the block-table entries of the next tile are loaded while this tile's K/V are in
+    # flight, so each iteration waits for one memory round trip instead of two.
+    block = tl.load(table + (kv_lo + offs_n) // BLOCK_SIZE, mask=kv_lo + offs_n < cache_hi, other=0).to(tl.int64)
+    for start in range(kv_lo, cache_hi, BLOCK_N):
+        pos = start + offs_n
+        n_valid = pos < cache_hi
+        if not PREFETCH:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+        if PREFETCH:
+            nxt = pos + BLOCK_N
+            block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < cache_hi, other=0).to(tl.int64)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        elif ROWS == 1:
+            s = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        elif ROWS == 1:
+            pv = tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if FUSE_WRITE:  # this step's keys (the decode token itself) straight from k/v, in the cache dtype
+        for start in range(tl.maximum(kv_lo, ctx_len), kv_hi, BLOCK_N):
+            pos = start + offs_n
+            n_valid = pos < kv_hi
+            src = (q_start + pos - ctx_len).to(tl.int64)
+            kv_mask = n_valid[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_ptr + src[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+                mask=kv_mask,
+                other=0.0,
+            ).to(k_cache_ptr.dtype.element_ty)
+            v = tl.load(
+                v_ptr + src[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                mask=kv_mask,
+                other=0.0,
+            ).to(v_cache_ptr.dtype.element_ty)
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            elif ROWS == 1:
+                s = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
+            else:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.where(n_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            elif ROWS == 1:
+                pv = tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    store_mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        split64 = split.to(tl.int64)
+        p_ptrs = part_out_ptr + split64 * stride_ps + t64 * stride_pt + head[:, None] * stride_ph
+        tl.store(p_ptrs + offs_d[None, :], out, mask=store_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + split64 * stride_ls + t64 * stride_lt + head, lse, mask=row_valid)
+
+
 def _split_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -306,6 +524,12 @@ def _interpreter_scope(interpret: bool):
         return
     from triton.runtime.interpreter import InterpretedFunction
 
+    try:  # InterpretedFunction.__call__ (a device-function call) patches triton.language and never
+        # restores it, which breaks later real compiles in the same process; restore it ourselves.
+        from triton.runtime.interpreter import _patch_lang
+    except ImportError:  # pragma: no cover - other triton versions
+        _patch_lang = None
+
     original = JITFunction.__call__
     wrapped: dict[int, InterpretedFunction] = {}
 
@@ -313,7 +537,14 @@ def _interpreter_scope(interpret: bool):
         fn = wrapped.get(id(self))
         if fn is None:
             fn = wrapped[id(self)] = InterpretedFunction(self.fn)
-        return fn(*args, **kwargs)
+        if _patch_lang is None or not hasattr(fn, "rewrite"):
+            return fn(*args, **kwargs)
+        scope = _patch_lang(fn.fn)
+        try:
+            return fn.rewrite()(*args, **kwargs)
+        finally:
+            if hasattr(scope, "restore"):
+                scope.restore()
 
     with _INTERPRETER_LOCK:
         JITFunction.__call__ = call
@@ -414,6 +645,122 @@ def _tile_config(
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group_p, "BLOCK_N": block_n, "warps": warps, "stages": stages}
 
 
+def choose_decode_splits(
+    num_tokens: int,
+    num_kv_heads: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    block_n: int,
+    num_sms: int,
+    waves: int = 2,
+) -> int:
+    """Split-K count of the decode kernel (shapes only): enough (token, KV head, split) programs for
+    about ``waves`` waves of the SMs, but no more splits than key tiles of ``block_n`` positions at
+    the longest context the block table can describe (``max_blocks_per_seq * block_size``).
+
+    Returns a power of two (1 = no split, no reduce launch)."""
+    if num_tokens == 0:
+        return 1
+    programs = num_tokens * num_kv_heads
+    target = waves * num_sms
+    if programs >= target:
+        return 1
+    splits = triton.next_power_of_2(triton.cdiv(target, programs))
+    max_tiles = max(1, triton.cdiv(max_blocks_per_seq * block_size, block_n))
+    while splits > 1 and splits > max_tiles:
+        splits //= 2
+    return max(1, min(splits, _MAX_SPLITS))
+
+
+def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict) -> dict:
+    """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
+
+    MHA (one query row per KV head) uses no ``tl.dot``: q.K is a broadcast multiply + sum over the
+    head dim, so no tile rows are padding. GQA puts the group's query heads in the rows of a
+    ``tl.dot`` tile (at least 16 rows). Checked with ptxas -v (sm_90): no spills for head_dim <= 128;
+    fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
+    cfg = {"use_dot": group_p > 1, "waves": 2, "prefetch": True}
+    if interpret:
+        cfg.update(block_n=16, warps=4, stages=1)
+    elif dtype == torch.float32:
+        cfg.update(block_n=32 if block_d <= 128 else 16, warps=None, stages=2)
+    else:
+        cfg.update(block_n=64 if block_d <= 128 else 32, warps=4, stages=2)
+    cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
+    if cfg["warps"] is None:
+        cfg["warps"] = 8 if cfg["use_dot"] else 4
+    return cfg
+
+
+# Keys of the ``config`` override of the launchers (for tuning sweeps; every value is a shape-like
+# constant, so overridden launches stay CUDA-graph safe).
+CONFIG_KEYS = frozenset(
+    {
+        "decode",
+        "fuse_write",
+        "splits",
+        "block_n",
+        "block_m",
+        "warps",
+        "stages",
+        "use_dot",
+        "waves",
+        "prefetch",
+        "reduce_warps",
+    }
+)
+
+
+def _check_config(config: dict | None) -> dict:
+    config = dict(config or {})
+    unknown = set(config) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"unknown attention config keys {sorted(unknown)}; valid: {sorted(CONFIG_KEYS)}")
+    for key in ("block_n", "block_m"):
+        value = config.get(key)
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{key} must be a power of two >= 16, got {value}")
+    return config
+
+
+def _split_count(split_k, config: dict, auto: Callable[[], int]) -> int:
+    if config.get("splits") is not None:
+        return triton.next_power_of_2(max(1, int(config["splits"])))
+    if split_k is None:
+        num_splits = auto()
+    elif split_k is True:
+        num_splits = max(2, auto())
+    else:
+        num_splits = max(1, int(split_k))
+    return min(triton.next_power_of_2(num_splits), _MAX_SPLITS)
+
+
+def uses_decode_kernel(
+    num_tokens: int,
+    num_seqs: int,
+    config: dict | None = None,
+    group: int | None = None,
+    num_kv_heads: int | None = None,
+    num_sms: int | None = None,
+) -> bool:
+    """Whether a batch of this shape runs the decode kernel: all-decode shapes (``num_tokens ==
+    num_seqs``) unless ``config["decode"]`` says otherwise (a shape-only decision).
+
+    Given ``group``, ``num_kv_heads`` and ``num_sms``, MHA batches (group 1) with more than two
+    waves of (sequence, KV head) programs take the unified kernel: measured on the H200, its tensor-
+    core tile beats the decode kernel's multiply-and-sum there (Ouro 16 heads, batch 32 at 1k: 81 vs
+    90 us; batch 128 at 8k: 1993 vs 2454 us), while GQA and small MHA batches gain from the decode
+    kernel (docs/benchmarks.md)."""
+    decode = (config or {}).get("decode")
+    if decode is not None:
+        return bool(decode) and num_tokens == num_seqs
+    if num_tokens != num_seqs:
+        return False
+    if group == 1 and num_kv_heads is not None and num_sms is not None:
+        return num_seqs * num_kv_heads <= 2 * num_sms
+    return True
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -423,16 +770,66 @@ def paged_attention_triton(
     scale: float,
     precision: str = "ieee",
     split_k: bool | int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Paged causal attention of a varlen batch over ``kv_cache`` (same semantics as
     ``paged_attention_reference``). Returns a tensor like ``q`` (padding rows are zero).
 
-    ``split_k``: None picks by ``choose_num_splits`` (shapes only); False/0/1 disables split-K;
-    True forces it (the heuristic's count, at least 2); an int >= 2 is the number of context splits
-    (rounded up to a power of two). Nothing here reads tensor values on the host.
+    All-decode shapes (``num_tokens == num_seqs``) run ``_paged_attention_decode_kernel``, other
+    batches the unified kernel. ``split_k``: None picks the split count from shapes
+    (``choose_decode_splits`` / ``choose_num_splits``); False/0/1 disables split-K; True forces it
+    (the heuristic's count, at least 2); an int >= 2 is the number of context splits (rounded up
+    to a power of two). ``config`` overrides tiles for tuning (keys in ``CONFIG_KEYS``: ``decode``
+    on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
+    (decode), ``waves`` (decode split heuristic), ``reduce_warps``). Nothing here reads tensor
+    values on the host.
     """
+    return _attention(
+        q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
+    )
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    precision: str = "ieee",
+    split_k: bool | int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """KV write + paged attention (the semantics of ``rlt::attention``). On the decode path the write
+    is fused into the attention kernel (``config["fuse_write"]``, default on): the program of (token,
+    KV head, split 0) stores the new row, and every split reads this step's keys from ``k``/``v``
+    directly, so no program depends on another's store. Otherwise ``kv_write_triton`` runs first."""
+    config = _check_config(config)
+    kv_heads = kv_cache.shape[3]
+    fuse = config.get("fuse_write", True) and uses_decode_kernel(
+        q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, _sm_count(q.device)
+    )
+    if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
+        kv_write_triton(k, v, kv_cache, slot_mapping)
+        return _attention(
+            q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
+        )
+    if k.shape != (q.shape[0], *kv_cache.shape[3:]) or v.shape != k.shape:
+        raise ValueError(f"k/v must be [T, Hkv, D] = {(q.shape[0], *kv_cache.shape[3:])}, got {tuple(k.shape)}")
+    return _attention(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
+    )
+
+
+def _attention(
+    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
+) -> torch.Tensor:
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    config = _check_config(config)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     if kv_head_dim != head_dim:
@@ -451,74 +848,126 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    decode_like = num_tokens == num_seqs
-    compact = not interpret and _platform.current_platform().compact_attention_tiles
-    cfg = _tile_config(interpret, decode_like, group_p, block_d, kv_cache.dtype, compact)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_sms = _sm_count(q.device)
+    decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
 
-    if split_k is None:
-        num_splits = choose_num_splits(
-            num_tokens,
-            num_seqs,
-            num_kv_heads,
-            block_tables.shape[1],
-            block_size,
-            cfg["BLOCK_N"],
-            _sm_count(q.device),
-        )
-    elif split_k is True:
-        num_splits = max(
-            2,
-            choose_num_splits(
-                num_seqs, num_seqs, num_kv_heads, block_tables.shape[1], block_size, cfg["BLOCK_N"], _sm_count(q.device)
+    if decode:
+        cfg = _decode_tile_config(interpret, group_p, block_d, kv_cache.dtype, config)
+        block_n = cfg["block_n"]
+        num_splits = _split_count(
+            split_k,
+            config,
+            lambda: choose_decode_splits(
+                num_tokens, num_kv_heads, block_tables.shape[1], block_size, block_n, num_sms, cfg["waves"]
             ),
         )
     else:
-        num_splits = max(1, int(split_k))
-    num_splits = triton.next_power_of_2(num_splits)
+        compact = not interpret and _platform.current_platform().compact_attention_tiles
+        cfg = _tile_config(interpret, num_tokens == num_seqs, group_p, block_d, kv_cache.dtype, compact)
+        if config.get("block_m") is not None:
+            cfg["BLOCK_M"] = max(config["block_m"], group_p)
+            cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group_p
+        for key, name in (("block_n", "BLOCK_N"), ("warps", "warps"), ("stages", "stages")):
+            if config.get(key) is not None:
+                cfg[name] = config[key]
+        num_splits = _split_count(
+            split_k,
+            config,
+            lambda: choose_num_splits(
+                num_tokens if split_k is None else num_seqs,
+                num_seqs,
+                num_kv_heads,
+                block_tables.shape[1],
+                block_size,
+                cfg["BLOCK_N"],
+                num_sms,
+            ),
+        )
 
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
         part_out = torch.empty((num_splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     else:  # unused placeholders
-        part_out = out
-        part_lse = out
-    # Upper bound on the query tiles of the sequences plus the padding rows (shapes only).
-    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs + 1, num_kv_heads, num_splits)
+        part_out = part_lse = out
+        part_strides = (0, 0, 0, 0, 0)
     with _interpreter_scope(interpret):
-        _kernel(_paged_attention_kernel, interpret)[grid](
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            out,
-            part_out,
-            part_lse,
-            float(scale) * _LOG2E,
-            num_seqs,
-            num_tokens,
-            head_dim,
-            *q.stride(),
-            *out.stride(),
-            *k_cache.stride(),
-            block_tables.stride(0),
-            *(part_out.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-            *(part_lse.stride()[:2] if num_splits > 1 else (0, 0)),
-            GROUP=group,
-            GROUP_P=group_p,
-            BLOCK_Q=cfg["BLOCK_Q"],
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_D=block_d,
-            BLOCK_SIZE=block_size,
-            SEQ_P=triton.next_power_of_2(num_seqs + 1),
-            NUM_SPLITS=num_splits,
-            PRECISION=precision,
-            num_warps=cfg["warps"],
-            num_stages=cfg["stages"],
-        )
+        if decode:
+            fuse = k is not None
+            use_dot = bool(cfg["use_dot"])
+            _kernel(_paged_attention_decode_kernel, interpret)[(num_tokens, num_kv_heads, num_splits)](
+                q,
+                k if fuse else q,
+                v if fuse else q,
+                k_cache,
+                v_cache,
+                slot_mapping if fuse else seq_lens,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                out,
+                part_out,
+                part_lse,
+                float(scale) * _LOG2E,
+                num_seqs,
+                head_dim,
+                *q.stride(),
+                *(k.stride() if fuse else (0, 0, 0)),
+                *(v.stride() if fuse else (0, 0, 0)),
+                *out.stride(),
+                *k_cache.stride(),
+                block_tables.stride(0),
+                *part_strides,
+                GROUP=group,
+                ROWS=max(16, group_p) if use_dot else group_p,
+                BLOCK_N=block_n,
+                BLOCK_D=block_d,
+                BLOCK_SIZE=block_size,
+                SEQ_CHUNK=64,  # fixed (not from num_seqs): one compile serves every batch size
+                NUM_SPLITS=num_splits,
+                USE_DOT=use_dot,
+                FUSE_WRITE=fuse,
+                PREFETCH=bool(cfg["prefetch"]),
+                PRECISION=precision,
+                num_warps=cfg["warps"],
+                num_stages=cfg["stages"],
+            )
+        else:
+            # Upper bound on the query tiles of the sequences plus the padding rows (shapes only).
+            grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs + 1, num_kv_heads, num_splits)
+            _kernel(_paged_attention_kernel, interpret)[grid](
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                out,
+                part_out,
+                part_lse,
+                float(scale) * _LOG2E,
+                num_seqs,
+                num_tokens,
+                head_dim,
+                *q.stride(),
+                *out.stride(),
+                *k_cache.stride(),
+                block_tables.stride(0),
+                *part_strides,
+                GROUP=group,
+                GROUP_P=group_p,
+                BLOCK_Q=cfg["BLOCK_Q"],
+                BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"],
+                BLOCK_D=block_d,
+                BLOCK_SIZE=block_size,
+                SEQ_P=triton.next_power_of_2(num_seqs + 1),
+                NUM_SPLITS=num_splits,
+                PRECISION=precision,
+                num_warps=cfg["warps"],
+                num_stages=cfg["stages"],
+            )
         if num_splits > 1:
             _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
                 part_out,
@@ -532,7 +981,7 @@ def paged_attention_triton(
                 *out.stride(),
                 NUM_SPLITS=num_splits,
                 BLOCK_D=block_d,
-                num_warps=4 if block_d >= 128 else 2,
+                num_warps=config.get("reduce_warps") or (4 if block_d >= 128 else 2),
             )
     return out
 
@@ -555,12 +1004,12 @@ def attention_triton(
     scale: float,
     precision: str = "ieee",
 ) -> torch.Tensor:
-    """The Triton backend of ``rlt::attention``: KV write, then unified paged attention.
+    """The Triton backend of ``rlt::attention``: KV write, then paged attention (``attention_forward``:
+    fused into one launch for all-decode batches).
 
     ``precision`` is the ``tl.dot`` input precision for fp32 caches ("ieee" or "tf32"; the
     dot-precision pass sets it from ``Platform.dot_precision``)."""
-    kv_write_triton(k, v, kv_cache, slot_mapping)
-    return paged_attention_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, precision)
+    return attention_forward(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, precision)
 
 
 @attention_triton.register_fake

@@ -97,11 +97,17 @@ def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.attention_swap import AttentionSwapPass
     from rlt_compile.passes.dot_precision import DotPrecisionPass
     from rlt_compile.passes.fuse_linears import FuseLinearsPass
+    from rlt_compile.passes.fuse_rmsnorm import FuseRMSNormPass
 
-    return {"attention_swap": AttentionSwapPass, "dot_precision": DotPrecisionPass, "fuse_linears": FuseLinearsPass}
+    return {
+        "attention_swap": AttentionSwapPass,
+        "dot_precision": DotPrecisionPass,
+        "fuse_linears": FuseLinearsPass,
+        "fuse_rmsnorm": FuseRMSNormPass,
+    }
 
 
-DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision", "fuse_linears")
+DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision", "fuse_linears", "fuse_rmsnorm")
 
 
 def build_passes(spec: Iterable[str | GraphPass] | None = None) -> list[GraphPass]:
