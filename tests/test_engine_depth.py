@@ -3,6 +3,9 @@ the "last-exited" KV layout for decode tokens; batched == alone and no block lea
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 from depth_references import ouro_last_exited
 
@@ -101,3 +104,6 @@ def test_graph_safe_options_only_for_fixed_exits(tiny_dirs):
     assert not graph_safe_options(ouro, {"kv_layout": "last-exited"})
     assert not graph_safe_options(ouro, {"kv_layout": "last-exited", "exit_at_step": 9})
     assert graph_safe_options(ouro, {"kv_layout": "last-exited", "exit_at_step": 2})
+    # a config-level early_exit_step does not fix the batch's exit: the model still takes the per-row path
+    configured = SimpleNamespace(family="ouro", config=dataclasses.replace(ouro.config, early_exit_step=1))
+    assert not graph_safe_options(configured, {"kv_layout": "last-exited"})

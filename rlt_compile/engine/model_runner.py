@@ -79,12 +79,14 @@ def choose_num_blocks(model: LoopedLM, config: EngineConfig, max_model_len: int,
 
 def graph_safe_options(model, options: dict) -> bool:
     """Whether a decode step with these engine-wide options is capturable: Ouro's "last-exited"
-    layout needs an engine-wide fixed exit step (otherwise the loop ends where the gate says)."""
+    layout needs an engine-wide fixed exit step (otherwise the loop ends where the gate says); the
+    same rule as ``OuroForCausalLM.forward``'s choice of its fixed-exit path."""
     if model.family != "ouro" or options.get("kv_layout", "delayed") != "last-exited":
         return True
+    from rlt_compile.models.ouro import batch_exit_step
+
     steps = options.get("num_steps") or model.config.total_ut_steps
-    fixed = options.get("exit_at_step", model.config.early_exit_step)
-    return isinstance(fixed, int) and 0 <= fixed < steps
+    return batch_exit_step(options.get("exit_at_step"), steps) is not None
 
 
 @dataclass

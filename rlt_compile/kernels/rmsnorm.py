@@ -179,8 +179,7 @@ def add_rmsnorm_triton(
     y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + y``, ``out = rmsnorm(h) * weight``."""
-    h, out = _launch(y, residual, None, weight, 0.0, eps, _ADD_BEFORE_NORM)
-    return h, out
+    return _launch(y, residual, None, weight, 0.0, eps, _ADD_BEFORE_NORM)
 
 
 def add_rmsnorm2_triton(
@@ -192,8 +191,7 @@ def add_rmsnorm2_triton(
     eps_b: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + rmsnorm_a(y)``, ``out = rmsnorm_b(h)``."""
-    h, out = _launch(y, residual, weight_a, weight_b, eps_a, eps_b, _ADD_AFTER_NORM)
-    return h, out
+    return _launch(y, residual, weight_a, weight_b, eps_a, eps_b, _ADD_AFTER_NORM)
 
 
 def add_rmsnorm_rmsnorm_triton(
@@ -205,8 +203,7 @@ def add_rmsnorm_rmsnorm_triton(
     eps_b: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = rmsnorm_a(residual + y)``, ``out = rmsnorm_b(h)``."""
-    h, out = _launch(y, residual, weight_a, weight_b, eps_a, eps_b, _ADD_BEFORE_NORM)
-    return h, out
+    return _launch(y, residual, weight_a, weight_b, eps_a, eps_b, _ADD_BEFORE_NORM)
 
 
 # ----------------------------------------------------------------------------------------------

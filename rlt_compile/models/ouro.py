@@ -114,6 +114,12 @@ def threshold_exit_steps(pdf: torch.Tensor, threshold) -> torch.Tensor:
     return torch.where(reached.any(dim=0), first, torch.full_like(first, pdf.shape[0] - 1))
 
 
+def batch_exit_step(exit_at_step, steps: int) -> int | None:
+    """The step a whole "last-exited" decode batch exits at when the caller fixed one for every row
+    (an int in range: no host reads, graph-safe), else None (each row exits where its policy says)."""
+    return exit_at_step if isinstance(exit_at_step, int) and 0 <= exit_at_step < steps else None
+
+
 def choose_exit_steps(gate_logits: torch.Tensor, fixed: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """The reference's rule per row: a valid fixed step wins, else the threshold rule (inf = never)."""
     steps = gate_logits.shape[0]
@@ -182,7 +188,7 @@ class OuroForCausalLM(StackLoopedLM):
         if kv_layout == "last-exited":
             if not is_decode_only(input_ids, attn.seq_lens):
                 raise ValueError("kv_layout='last-exited' needs a decode-only batch (one token per sequence)")
-            if isinstance(exit_at_step, int) and 0 <= exit_at_step < steps:
+            if batch_exit_step(exit_at_step, steps) is not None:
                 logits = self._forward_fixed_exit(input_ids, positions, kv_caches, attn, steps, exit_at_step)
                 return (logits, {"exit_steps": torch.full_like(fixed, exit_at_step)}) if return_details else logits
             return self._forward_last_exited(
