@@ -22,6 +22,10 @@ many loop steps the model runs.
   happen inside a capture). Capture everything before serving.
 * ``torch.cuda.CUDAGraph`` is also the HIP-graph API on ROCm builds of torch
   (``Platform.graph_api``); nothing here is CUDA-specific.
+* Per-row forward options (``row_options={"exit_at_step": (torch.long, -1), ...}``: name ->
+  (dtype, padding value)) get a static ``[B]`` buffer each, passed to ``step_fn`` by name and
+  filled per call from ``row_values`` (padding rows get the padding value): one set of graphs then
+  serves any per-row values, e.g. Ouro's per-request exit policies.
 * ``use_graphs=False`` keeps the static-buffer and padding logic but calls ``step_fn`` instead of
   replaying (what tests use on the CPU; also a debugging aid).
 
@@ -108,6 +112,7 @@ class CudaGraphRunner:
         use_graphs: bool | None = None,
         clone_outputs: bool = True,
         warmup_runs: int = 2,
+        row_options: dict[str, tuple[torch.dtype, float]] | None = None,
     ):
         if not kv_caches:
             raise ValueError("kv_caches is empty")
@@ -135,6 +140,10 @@ class CudaGraphRunner:
         self.query_start_loc = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(B, dtype=torch.long, device=dev)
         self._arange = torch.arange(B, dtype=torch.long, device=dev)
+        self.row_options = dict(row_options or {})
+        self.row_buffers = {
+            name: torch.full((B,), pad, dtype=dtype, device=dev) for name, (dtype, pad) in self.row_options.items()
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -202,18 +211,34 @@ class CudaGraphRunner:
         # query length 0 for padding sequences: their start offsets all equal the real token count
         self.query_start_loc[n + 1 : bucket + 1].copy_(self.query_start_loc[n : n + 1].expand(bucket - n))
 
+    def fill_rows(self, bucket: int, rows: int, row_values: dict[str, torch.Tensor] | None) -> None:
+        """Per-row option values into their static buffers; rows ``rows .. bucket-1`` get the padding value."""
+        missing = set(self.row_buffers) - set(row_values or {})
+        if missing:
+            raise ValueError(f"row_values lacks {sorted(missing)}")
+        for name, buf in self.row_buffers.items():
+            values = row_values[name]
+            if values.shape != (rows,):
+                raise ValueError(f"row_values[{name!r}] has shape {tuple(values.shape)}, want ({rows},)")
+            buf[:rows].copy_(values, non_blocking=True)
+            buf[rows:bucket].fill_(self.row_options[name][1])
+
     def _run_step(self, bucket: int) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(bucket)
-        out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
+        rows = {name: buf[:bucket] for name, buf in self.row_buffers.items()}
+        out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options, **rows)
         return out[0] if isinstance(out, tuple) else out
 
     # -- capture ---------------------------------------------------------------------------
+    @torch.no_grad()
     def capture(self) -> CudaGraphRunner:
         """Warm up and capture every bucket, largest first, into one memory pool."""
         t0 = time.perf_counter()
         for bucket in reversed(self.buckets):
             self.query_start_loc[0] = 0
             self._pad(0, bucket)  # an all-padding batch: no KV reads or writes
+            for name, buf in self.row_buffers.items():
+                buf.fill_(self.row_options[name][1])
             if not self.use_graphs:
                 self.outputs[bucket] = self._run_step(bucket)
                 continue
@@ -243,16 +268,20 @@ class CudaGraphRunner:
         return self
 
     # -- running ---------------------------------------------------------------------------
-    def __call__(self, input_ids, positions, attn: AttentionMetadata, logits_indices=None) -> torch.Tensor:
-        """Logits for the batch's rows ([len(logits_indices)] or [num_seqs], fp32)."""
+    @torch.no_grad()
+    def __call__(self, input_ids, positions, attn: AttentionMetadata, logits_indices=None, row_values=None):
+        """Logits for the batch's rows ([len(logits_indices)] or [num_seqs], fp32); ``row_values``:
+        one ``[rows]`` tensor per ``row_options`` name."""
         n = attn.num_seqs
         rows = n if logits_indices is None else logits_indices.shape[0]
         bucket = self.bucket_for(n)
         if not self.captured or bucket is None or input_ids.shape[0] != n:
             self.fallbacks += 1
-            out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
+            out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options,
+                               **(row_values or {}))  # fmt: skip
             return out[0] if isinstance(out, tuple) else out
         self.fill(bucket, input_ids, positions, attn, logits_indices)
+        self.fill_rows(bucket, rows, row_values)
         if self.use_graphs:
             self.graphs[bucket].replay()
             out = self.outputs[bucket]

@@ -3,13 +3,10 @@ the "last-exited" KV layout for decode tokens; batched == alone and no block lea
 
 from __future__ import annotations
 
-import dataclasses
-from types import SimpleNamespace
-
 import pytest
 from depth_references import ouro_last_exited
 
-from rlt_compile import LLM, SamplingParams, load_model
+from rlt_compile import LLM, SamplingParams
 from rlt_compile.models.runner import greedy_generate
 
 PROMPTS = [[(i * 7 + j * 13) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 17, 9, 30))]
@@ -95,15 +92,51 @@ def test_depth_options_are_validated(tiny_dirs, ouro_llm):
         huginn.generate([PROMPTS[0]], greedy(num_steps=5), use_tqdm=False)
 
 
-def test_graph_safe_options_only_for_fixed_exits(tiny_dirs):
-    from rlt_compile.engine.model_runner import graph_safe_options
+@pytest.mark.parametrize(
+    "model_options", [{}, {"kv_layout": "last-exited"}, {"kv_layout": "last-exited", "exit_at_step": 2}]
+)
+def test_per_request_exits_replay_static_buffer_steps_with_the_same_tokens(tiny_dirs, model_options):
+    """Per-request exits run through the per-row-option graph runner (static buffers on the CPU),
+    engine-wide "last-exited" without a fixed exit through the masked path: same tokens as plain."""
+    policies = [
+        greedy(exit_policy="fixed", exit_step=0),
+        greedy(exit_policy="full"),
+        greedy(exit_policy="threshold", exit_threshold=0.5),
+        greedy(),
+    ]
+    kw = {"num_blocks": 64, "model_options": model_options}
+    plain = LLM(str(tiny_dirs["ouro"]), **kw)
+    graphs = LLM(str(tiny_dirs["ouro"]), use_cuda_graphs=True, **kw)
+    assert run(graphs, PROMPTS, policies) == run(plain, PROMPTS, policies)
+    runner = graphs.engine.runner
+    assert runner._row_graph_runner is not None and runner._row_graph_runner.replays > 0
+    assert run(graphs, PROMPTS, greedy()) == run(plain, PROMPTS, greedy())
+    assert runner.graph_runner.replays > 0
 
-    ouro = load_model(tiny_dirs["ouro"], load_tokenizer=False)
-    assert graph_safe_options(ouro, {})
-    assert graph_safe_options(ouro, {"kv_layout": "delayed", "exit_threshold": 0.5})
-    assert not graph_safe_options(ouro, {"kv_layout": "last-exited"})
-    assert not graph_safe_options(ouro, {"kv_layout": "last-exited", "exit_at_step": 9})
-    assert graph_safe_options(ouro, {"kv_layout": "last-exited", "exit_at_step": 2})
-    # a config-level early_exit_step does not fix the batch's exit: the model still takes the per-row path
-    configured = SimpleNamespace(family="ouro", config=dataclasses.replace(ouro.config, early_exit_step=1))
-    assert not graph_safe_options(configured, {"kv_layout": "last-exited"})
+
+@pytest.mark.gpu
+def test_cuda_graphs_serve_per_request_exits_with_eager_tokens(tiny_dirs):
+    """Compiled + CUDA graphs with per-request exit policies ("last-exited" layout: the masked
+    lockstep graph) give the eager engine's tokens, and the per-row-option graphs replay."""
+    import torch
+
+    from rlt_compile import load_model
+
+    policies = [
+        greedy(exit_policy="fixed", exit_step=0),
+        greedy(exit_policy="full"),
+        greedy(exit_policy="threshold", exit_threshold=0.5),
+        greedy(exit_policy="fixed", exit_step=2),
+    ]
+    options = {"kv_layout": "last-exited"}
+
+    def build(**kw):
+        model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda", load_tokenizer=False)
+        return LLM(model, num_blocks=64, max_num_seqs=8, model_options=options, **kw)
+
+    eager = build()
+    graphs = build(compile=True, use_cuda_graphs=True)
+    assert run(graphs, PROMPTS, policies) == run(eager, PROMPTS, policies)
+    assert graphs.engine.runner._row_graph_runner.replays > 0
+    assert run(graphs, PROMPTS, greedy()) == run(eager, PROMPTS, greedy())
+    assert graphs.engine.runner.graph_runner.replays > 0

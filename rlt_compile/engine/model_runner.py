@@ -77,16 +77,8 @@ def choose_num_blocks(model: LoopedLM, config: EngineConfig, max_model_len: int,
     return blocks
 
 
-def graph_safe_options(model, options: dict) -> bool:
-    """Whether a decode step with these engine-wide options is capturable: Ouro's "last-exited"
-    layout needs an engine-wide fixed exit step (otherwise the loop ends where the gate says); the
-    same rule as ``OuroForCausalLM.forward``'s choice of its fixed-exit path."""
-    if model.family != "ouro" or options.get("kv_layout", "delayed") != "last-exited":
-        return True
-    from rlt_compile.models.ouro import batch_exit_step
-
-    steps = options.get("num_steps") or model.config.total_ut_steps
-    return batch_exit_step(options.get("exit_at_step"), steps) is not None
+# Ouro's per-request exit policy as per-row forward options: name -> (dtype, padding value).
+OURO_ROW_OPTIONS = {"exit_at_step": (torch.long, -1), "exit_threshold": (torch.float32, float("inf"))}
 
 
 @dataclass
@@ -119,14 +111,8 @@ class ModelRunner:
         self.step_fn = self._build_step_fn()
         # with depth batching the DepthBatcher captures the decode graphs (LLMEngine)
         use_graphs = config.use_cuda_graphs and not config.depth_batching
-        if use_graphs and not graph_safe_options(model, self.model_options):
-            log.warning(
-                "use_cuda_graphs=True: model_options %s stop each batch at a data-dependent loop step (a host "
-                "read per step), which graphs cannot capture; decode runs compiled without graphs",
-                self.model_options,
-            )
-            use_graphs = False
         self.graph_runner = self._build_graph_runner() if use_graphs else None
+        self._row_graph_runner = None  # Ouro's per-request exits; captured at first use
 
     def _build_step_fn(self):
         if not self.config.compile:
@@ -137,7 +123,7 @@ class ModelRunner:
             return self.model
         return compile_model(self.model, **self.config.compile_options)
 
-    def _build_graph_runner(self):
+    def _build_graph_runner(self, row_options: dict | None = None):
         runner_cls = _optional("rlt_compile.graphs", "CudaGraphRunner")
         if runner_cls is None:
             log.warning("use_cuda_graphs=True but rlt_compile.graphs.CudaGraphRunner is not available")
@@ -155,10 +141,31 @@ class ModelRunner:
             self.config.max_num_seqs,
             -(-self.max_model_len // self.block_size),
             buckets=self.config.cuda_graph_buckets,
-            step_options=self.model_options,
+            step_options={k: v for k, v in self.model_options.items() if k not in (row_options or {})},
+            row_options=row_options,
         )
         runner.capture()
         return runner
+
+    def row_graph_runner(self, options: dict):
+        """The graphs for decode batches whose only non-engine-wide options are Ouro's per-row exit
+        tensors (``options``: this batch's forward options), captured the first time one comes;
+        None when ``options`` differ otherwise."""
+        if self.graph_runner is None or self.model.family != "ouro" or set(OURO_ROW_OPTIONS) - set(options):
+            return None
+
+        def static(opts: dict) -> dict:
+            return {
+                **{k: v for k, v in opts.items() if k not in OURO_ROW_OPTIONS},
+                "kv_layout": opts.get("kv_layout", "delayed"),
+            }
+
+        if static(options) != static(self.model_options):
+            return None
+        if self._row_graph_runner is None:
+            log.info("capturing the decode graphs for per-request exit policies")
+            self._row_graph_runner = self._build_graph_runner(row_options=OURO_ROW_OPTIONS)
+        return self._row_graph_runner
 
     # -- depth options (per request) -------------------------------------------------------------
     @property
@@ -282,9 +289,13 @@ class ModelRunner:
         if extra_options:
             options.update(extra_options)
             engine_wide = False
-        graphs = self.graph_runner is not None and engine_wide and batch.is_decode_only
-        if graphs and self.graph_runner.can_run(batch.total_tokens, n):
+        decode = self.graph_runner is not None and batch.is_decode_only and not extra_options
+        row_runner = self.row_graph_runner(options) if decode and not engine_wide else None
+        if decode and engine_wide and self.graph_runner.can_run(batch.total_tokens, n):
             logits = self.graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
+        elif row_runner is not None and row_runner.can_run(batch.total_tokens, n):
+            rows = {name: options[name] for name in OURO_ROW_OPTIONS}
+            logits = row_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, rows)
         else:
             logits = self.step_fn(
                 inputs.input_ids,

@@ -70,17 +70,42 @@ def fill_skipped_kv(
 ) -> None:
     """ "last-exited": for each row that exited at ``k``, copy step-``k`` K/V into steps ``k+1..``.
 
-    ``slot_of(step, layer)`` is the model's KV slot index. With one exit step for the whole batch
-    (an int) nothing is read back from the device; per-row steps group the rows on the host.
+    ``slot_of(step, layer)`` is the model's KV slot index. Nothing is read back from the device, so
+    this is CUDA-graph safe: with one exit step for the whole batch (an int) its plane is copied to
+    each later one; with per-row steps (a tensor) step ``t`` takes step ``t-1``'s K/V for the rows
+    that exited before ``t``, a chain that carries each row's exit-step K/V to the last step.
     """
     if isinstance(exit_steps, int):
-        groups = [(exit_steps, slot_mapping)]
-    else:
-        groups = [(k, torch.where(exit_steps == k, slot_mapping, -1)) for k in exit_steps.unique().tolist()]
-    for k, slots in groups:
-        for t in range(k + 1, total_steps):
+        for t in range(exit_steps + 1, total_steps):
             for layer in range(layers):
-                copy_kv_rows(kv_caches[slot_of(k, layer)], kv_caches[slot_of(t, layer)], slots)
+                copy_kv_rows(kv_caches[slot_of(exit_steps, layer)], kv_caches[slot_of(t, layer)], slot_mapping)
+        return
+    for t in range(1, total_steps):
+        slots = torch.where(exit_steps < t, slot_mapping, -1)
+        for layer in range(layers):
+            copy_kv_rows(kv_caches[slot_of(t - 1, layer)], kv_caches[slot_of(t, layer)], slots)
+
+
+def fill_skipped_folded(
+    layers: list[torch.Tensor], exits: list[tuple[int, int]], total_steps: int, plane_slots: int
+) -> None:
+    """ "last-exited" on step-folded layer tensors (``[2, steps * blocks, block_size, Hkv, D]``, step
+    ``t`` at flat slots ``t * plane_slots ..``): for each ``(slot, exit step k)`` in ``exits`` copy
+    step ``k``'s K/V at ``slot`` into steps ``k+1 .. total_steps-1``. One gather and one scatter per
+    layer, however many rows exit (a copy per row, step and layer costs a launch each)."""
+    src, dst = [], []
+    for slot, k in exits:
+        for t in range(k + 1, total_steps):
+            src.append(k * plane_slots + slot)
+            dst.append(t * plane_slots + slot)
+    if not src:
+        return
+    device = layers[0].device
+    src_t = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+    dst_t = torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True)
+    for layer in layers:
+        flat = layer.view(2, -1, *layer.shape[3:])
+        flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
 
 
 def is_decode_only(input_ids: torch.Tensor, seq_lens: torch.Tensor) -> bool:

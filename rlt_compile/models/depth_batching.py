@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlt_compile.models.depth import fill_skipped_kv
+from rlt_compile.models.depth import fill_skipped_folded
 from rlt_compile.models.ouro import OuroForCausalLM, exit_distribution
 from rlt_compile.models.wavefront import folded_layers, step_metadata
 
@@ -188,10 +188,10 @@ class DepthBatcher:
         if not rows:
             return [], None
         out, gates = self._run_pass(rows)
-        exiting = [i for i, r in enumerate(rows) if self._exits(r, gates[i])]
+        exiting = [i for i, flag in enumerate(self._exit_flags(rows, gates)) if flag]
+        self._fill_later_steps([rows[i] for i in exiting])
         for i, row in enumerate(rows):
             if i in exiting:
-                self._fill_later_steps(row)
                 self.rows.remove(row)
             else:
                 row.step += 1
@@ -207,7 +207,8 @@ class DepthBatcher:
         if not rows:
             return []
         out, gates = self._run_pass(rows)
-        exiting = {i for i, r in enumerate(rows) if self._exits(r, gates[i])}
+        exiting = {i for i, flag in enumerate(self._exit_flags(rows, gates)) if flag}
+        self._fill_later_steps([rows[i] for i in sorted(exiting)])
         drafting = {
             i for i, r in enumerate(rows)
             if i not in exiting and r.step == self.pipeline_draft_step and r.child is None
@@ -233,8 +234,7 @@ class DepthBatcher:
         return emitted
 
     def _finish(self, row: DepthRow, token: int) -> None:
-        """``row`` exited with ``token``: fill its skipped steps, then continue its sequence."""
-        self._fill_later_steps(row)
+        """``row`` exited with ``token`` (its skipped steps filled): continue its sequence."""
         self.rows.remove(row)
         child = row.child
         if child is not None and child.token == token:
@@ -246,24 +246,40 @@ class DepthBatcher:
             child = child.child
         self.rows.append(DepthRow(row.seq_id, row.table, row.position + 1, token, row.exit_at_step, row.exit_threshold))
 
-    def _exits(self, row: DepthRow, gate: torch.Tensor) -> bool:
-        """Ouro's rule at this row's current step (the same one the model's head applies)."""
-        row.gates.append(gate)
-        fixed = row.exit_at_step if row.exit_at_step is not None else self.model.config.early_exit_step
-        if fixed is not None and 0 <= fixed < self.steps:
-            return row.step == fixed
-        if row.step == self.steps - 1:
-            return True
-        threshold = row.exit_threshold if row.exit_threshold is not None else self.model.config.early_exit_threshold
-        if threshold is None:
-            return False
-        pdf = exit_distribution(torch.stack(row.gates)[:, None], self.steps)
-        return bool(torch.cumsum(pdf, dim=0)[-1, 0] >= torch.tensor(threshold, dtype=pdf.dtype))
+    def _exit_flags(self, rows: list[DepthRow], gates: torch.Tensor) -> list[bool]:
+        """Ouro's rule for each row at its current step (the one the model's head applies). Fixed
+        steps and the last step are decided on the host; threshold rows share one device computation
+        and one host read per pass."""
+        flags: list[bool | None] = []
+        pending: list[tuple[int, float]] = []  # (row index, threshold)
+        cfg = self.model.config
+        for i, row in enumerate(rows):
+            row.gates.append(gates[i])
+            fixed = row.exit_at_step if row.exit_at_step is not None else cfg.early_exit_step
+            threshold = row.exit_threshold if row.exit_threshold is not None else cfg.early_exit_threshold
+            if fixed is not None and 0 <= fixed < self.steps:
+                flags.append(row.step == fixed)
+            elif row.step == self.steps - 1 or threshold is None:
+                flags.append(row.step == self.steps - 1)
+            else:
+                flags.append(None)
+                pending.append((i, threshold))
+        if pending:
+            depth = max(len(rows[i].gates) for i, _ in pending)
+            history = torch.stack(
+                [torch.stack(rows[i].gates + rows[i].gates[-1:] * (depth - len(rows[i].gates))) for i, _ in pending],
+                dim=1,
+            )  # [depth, rows]: a row's padding after its last gate does not change its prefix
+            cdf = torch.cumsum(exit_distribution(history, self.steps), dim=0)
+            last = torch.tensor([len(rows[i].gates) - 1 for i, _ in pending], device=cdf.device)
+            limit = torch.tensor([t for _, t in pending], dtype=cdf.dtype, device=cdf.device)
+            reached = (cdf.gather(0, last[None]).squeeze(0) >= limit).tolist()
+            for (i, _), hit in zip(pending, reached):
+                flags[i] = hit
+        return flags
 
-    def _fill_later_steps(self, row: DepthRow) -> None:
-        if row.step >= self.steps - 1:
-            return
+    def _fill_later_steps(self, rows: list[DepthRow]) -> None:
+        """ "last-exited" for rows that exit this pass: their exit step's K/V into the later steps."""
         bs = self.block_size
-        slot = torch.tensor([row.table[row.position // bs] * bs + row.position % bs], device=self.kv_caches[0].device)
-        n = self.layers
-        fill_skipped_kv(self.kv_caches, lambda step, layer: step * n + layer, n, row.step, self.steps, slot)
+        exits = [(r.table[r.position // bs] * bs + r.position % bs, r.step) for r in rows]
+        fill_skipped_folded(self.folded, exits, self.steps, self.num_blocks * bs)

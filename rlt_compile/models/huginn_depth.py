@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlt_compile.models.depth import fill_skipped_kv
+from rlt_compile.models.depth import fill_skipped_folded
 from rlt_compile.models.huginn import HuginnForCausalLM
 from rlt_compile.models.layers import rope_cos_sin
 from rlt_compile.models.wavefront import folded_layers, step_metadata
@@ -140,11 +140,17 @@ class HuginnDepthBatcher:
         new_state = model.loop_step(state, embedded, cos, sin, self.core, self._meta(rows, [r.step for r in rows]))
         self.passes += 1
         change = (new_state - state).float().norm(dim=-1) / new_state.float().norm(dim=-1).clamp_min(1e-30)
+        adaptive = [r.exit_threshold is not None and r.min_steps <= r.step + 1 < r.num_steps for r in rows]
+        below = (
+            (change < torch.tensor([r.exit_threshold or 0.0 for r in rows], device=device)).tolist()
+            if any(adaptive)
+            else []
+        )
         exiting = []
         for i, r in enumerate(rows):
             done = r.step + 1 >= r.num_steps
-            if not done and r.exit_threshold is not None and r.step + 1 >= r.min_steps:
-                done = bool(change[i] < r.exit_threshold)
+            if adaptive[i]:
+                done = bool(below[i])
                 self.early_exits += done
             r.state = new_state[i]
             if done:
@@ -157,13 +163,11 @@ class HuginnDepthBatcher:
         idx = torch.tensor([rows.index(r) for r in exiting], device=device)
         logits, _ = model.coda(torch.stack([r.state for r in exiting]), cos[idx], sin[idx],
                                self.kv_caches[self.prelude_n : self.base], meta, None)  # fmt: skip
-        for r in exiting:
-            self._fill_later_steps(r)
+        self._fill_later_steps(exiting)
         return exiting, logits
 
-    def _fill_later_steps(self, row: HuginnRow) -> None:
+    def _fill_later_steps(self, rows: list[HuginnRow]) -> None:
+        """ "last-exited": each exiting row's K/V of its last recurrence into the cache's later ones."""
         bs = self.block_size
-        slot = torch.tensor([row.table[row.position // bs] * bs + row.position % bs], device=self.kv_caches[0].device)
-        base, core = self.base, self.core_n
-        fill_skipped_kv(self.kv_caches, lambda step, layer: base + step * core + layer, core, row.step,
-                        self.max_steps, slot)  # fmt: skip
+        exits = [(r.table[r.position // bs] * bs + r.position % bs, r.step) for r in rows]
+        fill_skipped_folded(self.core, exits, self.max_steps, self.num_blocks * bs)

@@ -239,7 +239,10 @@ class OuroForCausalLM(StackLoopedLM):
             exits = active & torch.where((fixed >= 0) & (fixed < steps), fixed == t, hit)
             exit_steps = torch.where(exits, torch.full_like(exit_steps, t), exit_steps)
             active = active & ~exits
-            if not bool(active.any()):
+            # Stop once every row has exited: a host read, so not while capturing a graph (the
+            # graph runs every step; rows past their exit are masked, the same result).
+            capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and not bool(active.any()):
                 break
         hs = torch.stack(per_step)
         slot_of = lambda step, layer: step * n + layer  # noqa: E731
