@@ -14,6 +14,10 @@ with and without the token pipeline (``pipeline_draft_step=d``), on the random m
 almost never agree) and with forced agreement (the post-sublayer norm weights zeroed, so every loop
 step returns the same normalised state and every draft is right): ms per generated token and the
 accepted-draft fraction.
+Part 4 (``--async-pipeline``) decodes 256 tokens of one sequence with the asynchronous token
+pipeline (``rlt_compile.models.async_pipeline``: one CUDA graph per pass, decisions on the device)
+on the forced-agreement model, with a fraction of drafts corrupted on the device to set the
+acceptance rate, against a plain full-depth decode step (CUDA graph) of the same model.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from rlt_compile.bench import CONFIGS, build_random_model, wall_ms
 from rlt_compile.compiler import compile_model
 from rlt_compile.kernels.metadata import build_metadata
+from rlt_compile.models.async_pipeline import AsyncTokenPipeline
 from rlt_compile.models.depth_batching import DepthBatcher
 from rlt_compile.models.wavefront import wavefront_prefill
 
@@ -122,6 +127,37 @@ def pipeline_ms(model, context: int, tokens: int, draft_step: int | None) -> tup
     return ms, accepted
 
 
+def async_pipeline_ms(model, context: int, tokens: int, acceptance: float) -> tuple[float, dict]:
+    """(ms per decoded token, stats) for the asynchronous pipeline with drafts kept right with
+    probability ``acceptance`` (on the forced-agreement model every uncorrupted draft is right)."""
+    import time
+
+    blocks = -(-(context + tokens + 16) // BLOCK)
+    planes = model.allocate_kv_cache(blocks, BLOCK, fold_steps=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wrong = torch.rand(8192, generator=gen, device="cuda") >= acceptance
+    vocab = model.vocab_size
+
+    def corrupt(draft, passes):
+        return torch.where(wrong[passes % wrong.numel()], (draft + 1) % vocab, draft)
+
+    runner = AsyncTokenPipeline(model, planes, BLOCK, list(range(blocks)), tokens, draft_transform=corrupt)
+    prompt = torch.randint(0, vocab, (context,)).tolist()
+    runner.generate(prompt, 8)  # capture and warm-up
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = runner.generate(prompt, n)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    prefill_s, _ = timed(1)  # the prefill alone: generate(prompt, 1) runs no pass
+    total_s, (_, stats) = timed(tokens)
+    ms = (total_s - prefill_s) * 1e3 / (tokens - 1)
+    return ms, stats
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,8,64")
@@ -133,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--pipeline", action="store_true", help="add part 3 (token pipeline, module doc)")
     parser.add_argument("--skip-spec", action="store_true", help="skip parts 1 and 2")
+    parser.add_argument("--async-pipeline", action="store_true", help="add part 4 (module doc)")
+    parser.add_argument("--tokens", type=int, default=256, help="part 4: decoded tokens")
     args = parser.parse_args(argv)
     k = args.num_draft
     lines = [
@@ -191,6 +229,28 @@ def main(argv=None) -> int:
                     ms, acc = pipeline_ms(model, args.context, 64, d)
                     print(f"pipeline {label} d={d}: {ms:.3f} ms/token (off {base:.3f}), accepted {acc:.2f}", flush=True)
                     lines.append(f"| {label} | d={d} | {ms:.3f} | {1e3 / ms:.0f} | {acc:.0%} | {base / ms:.2f}x |")
+        if args.async_pipeline:
+            for layer in model.model.layers:  # forced agreement (part 3's note)
+                layer.input_layernorm_2.weight.zero_()
+                layer.post_attention_layernorm_2.weight.zero_()
+            model.model.norm.weight.fill_(1.0)
+            t_plain = spec_costs(model, cm, 1, args.context, k, 1)[0]
+            lines += [
+                "",
+                f"Asynchronous token pipeline, batch 1, {args.tokens} tokens, context {args.context}, forced agreement "
+                f"with drafts corrupted on the device; plain full-depth step (CUDA graph) {t_plain:.3f} ms:",
+                "",
+                "| target acceptance | measured acceptance | passes/token | ms/pass | ms/token | tok/s | speedup |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for target in (1.0, 0.9, 0.7, 0.5, 0.0):
+                ms, st = async_pipeline_ms(model, args.context, args.tokens, target)
+                per_token = st["passes"] / (args.tokens - 1)
+                print(f"async pipeline a={target}: {ms:.3f} ms/token, {st}", flush=True)
+                lines.append(
+                    f"| {target:.1f} | {st['acceptance']:.2f} | {per_token:.2f} | {ms / per_token:.3f} | {ms:.3f} | "
+                    f"{1e3 / ms:.0f} | {t_plain / ms:.2f}x |"
+                )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
