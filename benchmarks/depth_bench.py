@@ -9,9 +9,10 @@ decoded again, so the cost per step is that of a real decode step at that contex
 ``--engine`` adds the engine comparison for Ouro-1.4B with mixed per-request exits (request ``i``
 exits at step ``i % 4``), compiled + CUDA graphs, output tok/s over the whole run: full depth for
 everyone (today's engines), per-request exits in lockstep batches ("last-exited", one masked pass
-per loop step until every row of the batch has exited; graphs only serve engine-wide options, so
-these batches run compiled without graphs), and continuous depth batching (rows at different loop
-steps share each pass; one graph per padded bucket).
+per loop step; the graph runs every step with exited rows masked), and continuous depth batching
+(rows at different loop steps share each pass; one graph per padded bucket). ``--engine-batch``
+caps the running sequences (``max_num_seqs``); with more requests than that, a row that exits early
+frees its place for a waiting request, which is where continuous depth batching gains.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def measure(model, cm, label, variants, batch, context, tokens, max_steps, prefi
     return out
 
 
-def engine_mixed_exits(requests: int, prompt: int, out_tokens: int) -> list[tuple[str, float, int]]:
+def engine_mixed_exits(requests: int, prompt: int, out_tokens: int, batch: int) -> list[tuple[str, float, int]]:
     """(mode, output tok/s, engine steps) for Ouro-1.4B with exits at step i % 4 (module doc)."""
     import time
 
@@ -80,7 +81,7 @@ def engine_mixed_exits(requests: int, prompt: int, out_tokens: int) -> list[tupl
     prompts = [torch.randint(0, 49152, (prompt,), generator=gen).tolist() for _ in range(requests)]
     for name, model_options, mixed in modes:
         model = build_random_model(CONFIGS["ouro-1.4b"], torch.bfloat16, torch.device("cuda"))
-        eng = LLMEngine(model, num_blocks=requests * (-(-(prompt + out_tokens) // BLOCK)) + 16, max_num_seqs=requests,
+        eng = LLMEngine(model, num_blocks=requests * (-(-(prompt + out_tokens) // BLOCK)) + 16, max_num_seqs=batch,
                         max_model_len=prompt + out_tokens + 16, enable_prefix_caching=False, compile=True,
                         use_cuda_graphs=True, depth_batching="continuous" in name, model_options=model_options)  # fmt: skip
 
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="ouro-1.4b,huginn-0125")
     parser.add_argument("--out", default=None)
     parser.add_argument("--engine", action="store_true", help="add the engine comparison (module doc)")
-    parser.add_argument("--engine-requests", type=int, default=64)
+    parser.add_argument("--engine-requests", type=int, default=128)
+    parser.add_argument("--engine-batch", type=int, default=32, help="max_num_seqs of the engine comparison")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
@@ -151,10 +153,11 @@ def main(argv=None) -> int:
         ratio = g / full[(label, b)] if g and full.get((label, b)) else None
         lines.append(f"| {label} | {b} | {name} | {c:.3f} | {g:.3f} | {b * 1e3 / g:.0f} | {ratio:.2f} | {ideal:.2f} |")
     if args.engine:
-        results = engine_mixed_exits(args.engine_requests, 64, 32)
+        results = engine_mixed_exits(args.engine_requests, 64, 32, args.engine_batch)
         lines += [
             "",
-            f"Engine, Ouro-1.4B, {args.engine_requests} requests (64-token prompts, 32 output tokens), request i exits "
+            f"Engine, Ouro-1.4B, {args.engine_requests} requests, at most {args.engine_batch} running (64-token prompts, "
+            "32 output tokens), request i exits "
             "at step i % 4 (ideal: 0.625 of full depth), compile + CUDA graphs:",
             "",
             "| mode | output tok/s | engine steps | vs full depth |",

@@ -138,8 +138,9 @@ def async_pipeline_ms(model, context: int, tokens: int, acceptance: float) -> tu
     wrong = torch.rand(8192, generator=gen, device="cuda") >= acceptance
     vocab = model.vocab_size
 
-    def corrupt(draft, passes):
-        return torch.where(wrong[passes % wrong.numel()], (draft + 1) % vocab, draft)
+    def corrupt(draft, passes):  # index_select: indexing with a 0-d tensor would read it on the host
+        flip = wrong.index_select(0, (passes % wrong.numel()).view(1)).squeeze(0)
+        return torch.where(flip, (draft + 1) % vocab, draft)
 
     runner = AsyncTokenPipeline(model, planes, BLOCK, list(range(blocks)), tokens, draft_transform=corrupt)
     prompt = torch.randint(0, vocab, (context,)).tolist()

@@ -81,18 +81,19 @@ def test_cuda_compiled_graphs_match_eager(tiny_dirs):
     assert first >= 0.9 and whole >= 0.75, (first, whole)
 
 
-def test_cuda_graphs_skip_data_dependent_exits(tiny_dirs):
-    """Engine-wide "last-exited" without a fixed exit ends each step where the gate says (a host read):
-    the engine runs it compiled without graphs instead of failing the capture, with the tokens of the
-    plain engine; with a fixed exit step it captures graphs."""
+def test_cuda_graphs_capture_data_dependent_exits(tiny_dirs):
+    """Engine-wide "last-exited" without a fixed exit: each row exits where the gate says; the
+    captured graph runs every loop step with the exited rows masked (no host read), with the tokens
+    of the plain engine; with a fixed exit step the graph runs only the steps up to it."""
     model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda")
     prompts = _prompts(6, seed=2)
     opts = {"kv_layout": "last-exited"}
     want = _run(LLMEngine(model, num_blocks=256, model_options=opts), prompts)
     compiled = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda")
     eng = LLMEngine(compiled, num_blocks=256, model_options=opts, compile=True, use_cuda_graphs=True, max_num_seqs=8)
-    assert eng.runner.graph_runner is None
+    assert eng.runner.graph_runner is not None
     assert _run(eng, prompts) == want
+    assert eng.runner.graph_runner.replays > 0
     fixed = LLMEngine(compiled, num_blocks=256, model_options={**opts, "exit_at_step": 1}, compile=True,
                       use_cuda_graphs=True, max_num_seqs=8)  # fmt: skip
     assert fixed.runner.graph_runner is not None
