@@ -33,7 +33,9 @@ Options (keyword arguments of ``compile_model``):
                        "static" (specialise every shape)
     mode               None/"default" | "max-autotune" | "max-autotune-no-cudagraphs" (Inductor modes;
                        "reduce-overhead" is refused: use cuda_graphs=True / CudaGraphRunner instead)
-    inductor_config    dict of Inductor config patches (e.g. {"coordinate_descent_tuning": True})
+    inductor_config    dict of Inductor config patches (e.g. {"coordinate_descent_tuning": True}); on a
+                       platform with PDL on (RLT_PDL, Platform.supports_pdl) "triton.enable_pdl": True
+                       is added unless this dict sets it
     inductor           True (default); False runs the post-pass FX graph as is (fast, for debugging)
     fullgraph          True (default): a graph break is an error
     units              which compile units to compile (default: all of model.compile_units)
@@ -61,7 +63,7 @@ from torch import fx
 
 from rlt_compile.kernels.metadata import AttentionMetadata
 from rlt_compile.passes.manager import PassContext, PassManager, PassRecord, build_passes, format_graph
-from rlt_compile.platform import Platform, get_platform
+from rlt_compile.platform import Platform, get_platform, pdl_enabled
 
 log = logging.getLogger("rlt_compile.compiler")
 
@@ -415,7 +417,30 @@ _KNOWN_OPTIONS = {
 }
 
 
-def inductor_patches(mode: str | None, inductor_config: dict | None) -> dict:
+PDL_PATCH = "triton.enable_pdl"
+
+
+def _user_sets(inductor_config: dict | None, key: str) -> bool:
+    """Whether the user's Inductor patches set ``key`` ("a.b"), dotted or as a nested dict."""
+    config = inductor_config or {}
+    if key in config:
+        return True
+    head, _, tail = key.partition(".")
+    nested = config.get(head)
+    return isinstance(nested, dict) and tail in nested
+
+
+def _inductor_has_pdl() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")
+
+
+def inductor_patches(mode: str | None, inductor_config: dict | None, platform: Platform | None = None) -> dict:
+    """The Inductor config patches of a compile: ``mode``'s options (without Inductor's cudagraphs),
+    ``triton.enable_pdl=True`` when ``platform`` has PDL on (``platform.pdl_enabled``: ``RLT_PDL``,
+    ``Platform.supports_pdl``) and this Inductor knows the option, then the user's
+    ``inductor_config`` (which wins, also for ``triton.enable_pdl``)."""
     if mode == "reduce-overhead":
         raise ValueError(
             "mode='reduce-overhead' is not supported: the KV planes are mutated graph inputs, which "
@@ -430,6 +455,12 @@ def inductor_patches(mode: str | None, inductor_config: dict | None) -> dict:
 
         patches.update(torch._inductor.list_mode_options(mode))
         patches.pop("triton.cudagraphs", None)  # graphs are ours (graphs.py)
+    if platform is not None and not _user_sets(inductor_config, PDL_PATCH) and pdl_enabled(platform):
+        if _inductor_has_pdl():
+            patches[PDL_PATCH] = True
+            log.info("PDL on (%s): Inductor patch %s=True", platform.describe(), PDL_PATCH)
+        else:
+            log.info("PDL: this Inductor has no %s option; only our Triton kernels use PDL", PDL_PATCH)
     patches.update(inductor_config or {})
     return patches
 
@@ -444,7 +475,7 @@ def compile_model(model: torch.nn.Module, platform: str | Platform = "auto", **o
     dynamic = options.get("dynamic", "tokens")
     if dynamic not in DYNAMIC_CHOICES:
         raise ValueError(f"dynamic must be one of {DYNAMIC_CHOICES}, got {dynamic!r}")
-    patches = inductor_patches(options.get("mode"), options.get("inductor_config"))
+    patches = inductor_patches(options.get("mode"), options.get("inductor_config"), plat)
     backend_name = options.get("attention_backend")
     plat.select_attention_backend(backend_name)  # validate early (unknown / unavailable -> ValueError)
     names = list(options.get("units") or getattr(model, "compile_units", ()))

@@ -6,6 +6,12 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              buffers through unified virtual addressing instead of copying them. auto:
                              on only if ``platform.probe_uva()`` finds that the device pointer of a pinned
                              host buffer equals its host pointer; 0: off; 1: on without probing (GPU only).
+    RLT_PDL                  auto | 0 | 1 (default auto). Programmatic Dependent Launch (NVIDIA sm_90+): our
+                             Triton kernels are launched with ``launch_pdl`` and start with
+                             ``gdc_wait()``, and Inductor's kernels get ``triton.enable_pdl``, so a kernel's
+                             launch overlaps the tail of the previous one. auto: on when
+                             ``Platform.supports_pdl`` (CUDA, capability >= 9, a Triton with the GDC
+                             intrinsics); 0: off; 1: on, but still only where supported (warns otherwise).
     RLT_ATTENTION_BACKEND    auto | flash | triton | torch (default auto). Overrides the attention backend
                              the Platform picks (``Platform.select_attention_backend``).
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
@@ -26,6 +32,7 @@ import os
 # name -> (default, description)
 ENV_VARS: dict[str, tuple[str, str]] = {
     "RLT_UVA": ("auto", "auto|0|1: use UVA for pinned host buffers (auto = probe)"),
+    "RLT_PDL": ("auto", "auto|0|1: Programmatic Dependent Launch on sm_90+ (auto = where supported)"),
     "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
     "TRITON_INTERPRET": ("0", "1 = run Triton kernels in the CPU interpreter"),
 }
@@ -37,6 +44,8 @@ AMD_RUNTIME_KNOBS: dict[str, str] = {
 }
 
 UVA_VALUES = ("auto", "0", "1")
+PDL_VALUES = ("auto", "0", "1")
+_BOOL_ALIASES = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}
 
 
 def get(name: str) -> str:
@@ -50,9 +59,18 @@ def get(name: str) -> str:
 def rlt_uva() -> str:
     """``RLT_UVA``: "auto", "0" or "1" (also accepts true/false/on/off/yes/no)."""
     value = get("RLT_UVA")
-    value = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(value, value)
+    value = _BOOL_ALIASES.get(value, value)
     if value not in UVA_VALUES:
         raise ValueError(f"RLT_UVA must be one of {UVA_VALUES}, got {os.environ.get('RLT_UVA')!r}")
+    return value
+
+
+def rlt_pdl() -> str:
+    """``RLT_PDL``: "auto", "0" or "1" (also accepts true/false/on/off/yes/no)."""
+    value = get("RLT_PDL")
+    value = _BOOL_ALIASES.get(value, value)
+    if value not in PDL_VALUES:
+        raise ValueError(f"RLT_PDL must be one of {PDL_VALUES}, got {os.environ.get('RLT_PDL')!r}")
     return value
 
 

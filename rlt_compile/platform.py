@@ -18,6 +18,13 @@ kinds share the graph code (``Platform.graph_api``).
 UVA (``uva_enabled``): with ``RLT_UVA=auto`` (default) we probe whether the device pointer of a
 pinned host buffer equals its host pointer (``cudaHostGetDevicePointer`` / ``hipHostGetDevicePointer``
 through ctypes); any failure means "no UVA", with the reason logged.
+
+PDL (``pdl_enabled``): Programmatic Dependent Launch lets a kernel be launched while the previous
+one in the stream is still running; the kernel waits for it with ``gdc_wait`` before touching
+memory. ``Platform.supports_pdl``: NVIDIA only, compute capability >= 9.0 (Hopper), and a Triton
+that has the GDC intrinsics and the ``launch_pdl`` launch option (feature-detected, cached).
+``RLT_PDL=auto`` (default) follows it; ``0`` turns PDL off; ``1`` asks for it (still only where
+supported, with a warning otherwise).
 """
 
 from __future__ import annotations
@@ -126,6 +133,15 @@ class Platform:
         """Prefill attention needs the smaller 16-bit tile: on gfx90a/gfx942 the 128x64 tile spills
         VGPRs (AOT report, tests/test_rocm_aot.py); gfx950 and NVIDIA GPUs take the larger one."""
         return self.kind == "rocm" and self.arch.split(":")[0] in ("gfx90a", "gfx942")
+
+    @property
+    def supports_pdl(self) -> bool:
+        """Programmatic Dependent Launch: NVIDIA CUDA with compute capability >= 9.0 and a Triton
+        with ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents`` and the ``launch_pdl`` option
+        (:func:`triton_supports_pdl`). Never on ROCm or the CPU."""
+        if self.kind != "cuda" or self.capability is None or self.capability[0] < 9:
+            return False
+        return triton_supports_pdl()
 
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.device_type, index) if self.is_gpu else torch.device("cpu")
@@ -365,6 +381,56 @@ def uva_enabled(platform: Platform | None = None) -> bool:
     if mode == "1":
         return True
     return probe_uva(p)
+
+
+# ---------------------------------------------------------------------------------------------- PDL
+@functools.cache
+def triton_supports_pdl() -> bool:
+    """Whether the installed Triton can build and launch PDL kernels: ``triton.language.extra.cuda``
+    has ``gdc_wait`` and ``gdc_launch_dependents`` and the NVIDIA backend's ``CUDAOptions`` has a
+    ``launch_pdl`` field (the launch option). Cached; ``triton_supports_pdl.cache_clear()`` re-checks."""
+    try:
+        from triton.language.extra import cuda as tl_cuda
+
+        if not (hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")):
+            logger.info("PDL off: this Triton has no tl.extra.cuda.gdc_wait / gdc_launch_dependents")
+            return False
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+            logger.info("PDL off: this Triton's CUDAOptions has no launch_pdl option")
+            return False
+        return True
+    except Exception as exc:  # no triton, no NVIDIA backend: no PDL
+        logger.info("PDL off: Triton feature check failed: %s", exc)
+        return False
+
+
+_PDL_WARNED: set[str] = set()
+
+
+def pdl_enabled(platform: Platform | None = None) -> bool:
+    """Whether to use Programmatic Dependent Launch, from ``RLT_PDL``: "0" never; "auto" (default)
+    where :attr:`Platform.supports_pdl`; "1" the same, with a warning (once per platform) where the
+    platform cannot do it. Cheap: one environment read per call, the Triton check is cached."""
+    mode = envs.rlt_pdl()
+    if mode == "0":
+        return False
+    p = platform or current_platform()
+    if p.supports_pdl:
+        return True
+    if mode == "1":
+        key = p.describe()
+        if key not in _PDL_WARNED:
+            _PDL_WARNED.add(key)
+            if p.kind != "cuda":
+                why = f"PDL is NVIDIA-only, this platform is {p.kind}"
+            elif p.capability is None or p.capability[0] < 9:
+                why = f"PDL needs compute capability >= 9.0, this GPU has {p.capability}"
+            else:
+                why = "this Triton lacks gdc_wait / gdc_launch_dependents or the launch_pdl option"
+            logger.warning("RLT_PDL=1 ignored: %s", why)
+    return False
 
 
 def replace(platform: Platform, **changes) -> Platform:

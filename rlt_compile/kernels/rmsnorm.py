@@ -25,6 +25,10 @@ On CUDA/ROCm tensors the ops launch the kernel; on CPU tensors they run the torc
 ``fuse_rmsnorm`` pass only rewrites graphs for GPUs; Inductor's CPU code is one loop already).
 The launchers themselves accept CPU tensors and then run Triton's interpreter (tests; fp32/fp16
 only: bf16 is not exact there).
+
+PDL: on CUDA tensors with ``platform.pdl_enabled()`` the kernel is launched with ``launch_pdl`` and
+starts with ``gdc_wait()`` + ``gdc_launch_dependents()`` before any memory access, like the
+attention kernels (``triton_attention``'s module docstring).
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from rlt_compile.kernels.triton_attention import _interpret, _interpreter_scope, _kernel
+from rlt_compile.kernels.triton_attention import (
+    _interpret,
+    _interpreter_scope,
+    _kernel,
+    _pdl_launch_options,
+    _use_pdl,
+)
 
 __all__ = [
     "add_rmsnorm2_reference",
@@ -73,9 +83,13 @@ def _fused_rmsnorm_kernel(
     NORM_A: tl.constexpr,
     RESIDUAL: tl.constexpr,
     NORM_B: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Per row: ``v = y``; [RESIDUAL == 1: ``v = r + v``]; [NORM_A: ``v = norm_a(v)``];
     [RESIDUAL == 2: ``v = r + v``]; store ``v`` to ``h``; [NORM_B: store ``norm_b(v)`` to ``out``]."""
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -145,6 +159,7 @@ def _launch(
     wb = weight_b.contiguous() if weight_b is not None else y2
     block = triton.next_power_of_2(n)
     interpret = _interpret(y)
+    pdl = _use_pdl(y)
     with _interpreter_scope(interpret):
         _kernel(_fused_rmsnorm_kernel, interpret)[(y2.shape[0],)](
             y2,
@@ -164,8 +179,10 @@ def _launch(
             NORM_A=weight_a is not None,
             RESIDUAL=residual_mode,
             NORM_B=weight_b is not None,
+            USE_PDL=pdl,
             num_warps=_num_warps(block),
             enable_fp_fusion=False,  # no FMA across the product and the residual add (fp32: eager rounds both)
+            **_pdl_launch_options(pdl),
         )
     return h, out
 

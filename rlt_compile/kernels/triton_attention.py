@@ -23,6 +23,15 @@ Four kernels serve the varlen batch layout of ``metadata.py``:
   every program handles one slice of the context and writes its normalised partial output plus
   its log2-sum-exp; ``_split_reduce_kernel`` then merges the slices.
 
+PDL (Programmatic Dependent Launch, NVIDIA sm_90+, ``platform.pdl_enabled()`` / ``RLT_PDL``): on
+CUDA tensors every kernel is launched with ``launch_pdl=True`` and ``USE_PDL=True``, and its very
+first statements are ``gdc_wait()`` (block until the previous grid in the stream has completed and
+its writes are visible) then ``gdc_launch_dependents()`` (let the next grid launch). The wait comes
+before every load, store and early return: a program that exits without waiting would count as
+done, so the grid could complete before its predecessor and the next kernel (which only waits for
+this one) could read stale data. ``USE_PDL=False`` (CPU interpreter, ``meta`` tensors, ROCm, older
+GPUs) compiles the prologue away.
+
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
 launchers can run inside CUDA/HIP graph capture. Head dims that are not a power of two (Huginn
 uses 96) are padded to the next power of two with masks. ``PRECISION`` is the ``tl.dot``
@@ -89,7 +98,11 @@ def _kv_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -146,7 +159,11 @@ def _paged_attention_kernel(
     SEQ_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -289,7 +306,11 @@ def _paged_attention_decode_kernel(
     FUSE_WRITE: tl.constexpr,
     PREFETCH: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -463,7 +484,11 @@ def _split_reduce_kernel(
     stride_od,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     valid = t < tl.load(query_start_ptr + num_seqs)  # padding token rows past the last sequence -> 0
@@ -509,6 +534,26 @@ def _kernel(fn, interpret: bool):
 
 def _interpret(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
+
+
+def _use_pdl(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t``'s device uses Programmatic Dependent Launch (``USE_PDL`` and
+    ``launch_pdl``): only for CUDA tensors (never the interpreter's CPU tensors or the ``meta``
+    tensors ``aot.py`` records launches with) and when ``platform.pdl_enabled()`` (``RLT_PDL``,
+    ``Platform.supports_pdl``; one environment read, the rest cached). No device query: it runs at
+    every launch, inside CUDA-graph capture too."""
+    return t.is_cuda and _platform.pdl_enabled()
+
+
+_PDL_OPTIONS: dict[bool, dict] = {True: {"launch_pdl": True}, False: {}}
+
+
+def _pdl_launch_options(pdl: bool) -> dict:
+    """The launch keyword of PDL: ``launch_pdl=True`` when on, nothing otherwise. Never
+    ``launch_pdl=False``: Triton rejects launch keywords its backend does not know
+    ("Keyword argument launch_pdl was specified but unrecognised"), and ROCm's ``HIPOptions`` (and
+    older NVIDIA backends) have no ``launch_pdl``."""
+    return _PDL_OPTIONS[pdl]
 
 
 @contextlib.contextmanager
@@ -568,6 +613,7 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
         raise ValueError(f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     interpret = _interpret(k)
+    pdl = _use_pdl(k)
     with _interpreter_scope(interpret):
         _kernel(_kv_write_kernel, interpret)[(num_tokens,)](
             k,
@@ -583,7 +629,9 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
             BLOCK_SIZE=kv_cache.shape[2],
             BLOCK_H=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(head_dim),
+            USE_PDL=pdl,
             num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
+            **_pdl_launch_options(pdl),
         )
 
 
@@ -845,6 +893,7 @@ def _attention(
     if kv_cache.dtype != torch.float32:
         precision = "ieee"  # input_precision only matters for fp32 dots
     interpret = _interpret(q)
+    pdl = _use_pdl(q)
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -930,8 +979,10 @@ def _attention(
                 FUSE_WRITE=fuse,
                 PREFETCH=bool(cfg["prefetch"]),
                 PRECISION=precision,
+                USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
+                **_pdl_launch_options(pdl),
             )
         else:
             # Upper bound on the query tiles of the sequences plus the padding rows (shapes only).
@@ -965,8 +1016,10 @@ def _attention(
                 SEQ_P=triton.next_power_of_2(num_seqs + 1),
                 NUM_SPLITS=num_splits,
                 PRECISION=precision,
+                USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
+                **_pdl_launch_options(pdl),
             )
         if num_splits > 1:
             _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
@@ -981,7 +1034,9 @@ def _attention(
                 *out.stride(),
                 NUM_SPLITS=num_splits,
                 BLOCK_D=block_d,
+                USE_PDL=pdl,
                 num_warps=config.get("reduce_warps") or (4 if block_d >= 128 else 2),
+                **_pdl_launch_options(pdl),
             )
     return out
 
