@@ -157,6 +157,30 @@ def test_scheduler_max_num_seqs_and_priority_order():
     assert all(s.status is SequenceStatus.RUNNING for s in batch.seqs)
 
 
+def test_admission_batch_waits_for_enough_free_slots():
+    sched = _scheduler(max_num_seqs=4, admission_batch=2)
+    seqs = [_seq(range(3), arrival=i) for i in range(7)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert [s.arrival for s in first.seqs] == [0, 1, 2, 3]
+    _run_step(sched, first)
+    sched.finish(seqs[0])  # one slot free: waiting requests stay waiting
+    assert [s.arrival for s in sched.schedule().seqs] == [1, 2, 3]
+    sched.finish(seqs[1])  # two free: both admitted in one step
+    assert [s.arrival for s in sched.schedule().seqs] == [2, 3, 4, 5]
+    for s in seqs[2:6]:
+        sched.finish(s)
+    assert [s.arrival for s in sched.schedule().seqs] == [6]  # fewer waiting than the batch: admitted
+
+
+def test_admission_batch_default_and_validation():
+    assert _scheduler(max_num_seqs=32).admission_batch == 1
+    assert _scheduler(max_num_seqs=32, depth_batching=True).admission_batch == 8
+    with pytest.raises(ValueError, match="admission_batch"):
+        EngineConfig(max_num_seqs=4, admission_batch=5)
+
+
 def test_scheduler_preempts_least_urgent_when_blocks_run_out():
     sched = _scheduler(num_blocks=4, block_size=4)
     a, b = _seq(range(7), arrival=0), _seq(range(7), arrival=1)

@@ -52,6 +52,10 @@ class EngineConfig:
     depth_batching: bool = False
     # Wavefront chunked prefill (docs/speculation.md): chunk size C of the wavefront; 0 / None = off.
     wavefront_prefill_chunk: int | None = None
+    # FCFS: admit waiting requests only once this many sequence slots are free (or fewer requests wait,
+    # or nothing runs), so their prefills share one step. None: 1, or max_num_seqs // 4 with
+    # depth_batching, where rows exit one by one and each lone prefill would be a pass of its own.
+    admission_batch: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -59,6 +63,11 @@ class EngineConfig:
                 raise ValueError(f"{name}: {message}")
 
         check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(
+            self.admission_batch is None or 1 <= self.admission_batch <= self.max_num_seqs,
+            "admission_batch",
+            f"must be in [1, max_num_seqs={self.max_num_seqs}] or None, got {self.admission_batch}",
+        )
         check(
             self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",

@@ -4,7 +4,9 @@ Continuous batching under a token budget (``max_num_batched_tokens``) and a sequ
 (``max_num_seqs``). Running sequences go first, in policy order: a decode costs one token, an
 unfinished (chunked) prefill takes as much of the remaining budget as it needs. Waiting sequences
 are then admitted in policy order (FCFS: arrival; priority: lower value first, then arrival),
-starting after any prefix-cache hit, their prefill chunked to fit the budget.
+starting after any prefix-cache hit, their prefill chunked to fit the budget. Under FCFS with
+``admission_batch = k`` they wait until ``k`` slots are free (or fewer wait, or nothing runs), so
+their prefills share a step (depth batching frees slots one by one).
 
 When the pool runs out of blocks, the least urgent running sequence is preempted by recompute:
 its blocks are freed and it goes back to the waiting queue keeping its generated tokens, to be
@@ -60,6 +62,9 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: list[Sequence] = []  # kept sorted by policy key
         self.running: list[Sequence] = []
+        self.admission_batch = config.admission_batch or (
+            max(1, config.max_num_seqs // 4) if config.depth_batching else 1
+        )
 
     # -- queues --------------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
@@ -139,6 +144,10 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Move waiting sequences into the batch while budget, sequence slots and blocks last."""
         chunked = self.config.enable_chunked_prefill
+        if self.policy == "fcfs" and self.running and self.admission_batch > 1:
+            free = self.config.max_num_seqs - len(self.running)
+            if free < min(self.admission_batch, sum(seq.ready() for seq in self.waiting)):
+                return budget
         i = 0
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
