@@ -28,6 +28,7 @@ import torch
 
 from rlt_compile.bench import CONFIGS, build_random_model, wall_ms
 from rlt_compile.compiler import compile_model
+from rlt_compile.graphs import capture_graph
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.async_pipeline import AsyncTokenPipeline
 from rlt_compile.models.depth_batching import DepthBatcher
@@ -38,15 +39,7 @@ BLOCK = 16
 
 def graph_ms(fn, n: int = 20) -> float:
     """Capture ``fn`` (fixed shapes) in a CUDA graph and time its replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn, torch.device("cuda"))
     return wall_ms(graph.replay, n)
 
 

@@ -100,6 +100,22 @@ def padded_decode_metadata(
     return AttentionMetadata(slots, tables, seq_lens, qsl), n
 
 
+def capture_graph(fn: Callable[[], object], device: torch.device, warmup_runs: int = 2, pool=None):
+    """Run ``fn`` ``warmup_runs`` times on a side stream (autotuning and lazy initialisation must not
+    happen inside a capture), then capture one call: returns (graph, what the captured call returned)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_runs):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -242,19 +258,11 @@ class CudaGraphRunner:
             if not self.use_graphs:
                 self.outputs[bucket] = self._run_step(bucket)
                 continue
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(self.warmup_runs):
-                    self._run_step(bucket)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bucket] = self._run_step(bucket)
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.outputs[bucket] = capture_graph(
+                lambda bucket=bucket: self._run_step(bucket), self.device, self.warmup_runs, self.pool
+            )
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
         self.captured = True

@@ -81,7 +81,9 @@ class AsyncTokenPipeline:
         self.passes = torch.zeros((), dtype=torch.long, device=dev)
         self.count = torch.zeros((), dtype=torch.long, device=dev)  # tokens emitted
         self.accepted = torch.zeros((), dtype=torch.long, device=dev)
-        self.out = torch.zeros(max_new_tokens + self.sync_every * 2 + 2, dtype=torch.long, device=dev)
+        self.max_new_tokens = max_new_tokens
+        # tokens after the prefill's, and a last slot that absorbs the writes of passes emitting nothing
+        self.out = torch.zeros(max_new_tokens + 1, dtype=torch.long, device=dev)
         if use_graphs is None:
             use_graphs = dev.type == "cuda"
         if use_graphs and "loop_step" not in vars(model):
@@ -130,17 +132,11 @@ class AsyncTokenPipeline:
         self.passes.add_(1)
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        from rlt_compile.graphs import capture_graph
+
         saved = [t.clone() for t in self._state()]
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up (autotuning, lazy init) outside the capture
-                self._pass()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._pass()
-        for t, value in zip(self._state(), saved):  # capture ran passes: restore the start state
+        self.graph, _ = capture_graph(self._pass, self.device)
+        for t, value in zip(self._state(), saved):  # the warm-up ran passes: restore the start state
             t.copy_(value)
 
     def _state(self) -> list[torch.Tensor]:
@@ -150,7 +146,7 @@ class AsyncTokenPipeline:
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         """Prefill ``prompt`` at full depth, then decode; returns (tokens, stats)."""
-        if max_new_tokens + 2 > self.out.shape[0] - 2 * self.sync_every:
+        if max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the size this pipeline was built for")
         # positions up to len(prompt) + tokens + T - 1 (the deepest speculative row) need slots
         if len(prompt) + max_new_tokens + self.steps > self.capacity:

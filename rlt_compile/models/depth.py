@@ -87,17 +87,24 @@ def fill_skipped_kv(
 
 
 def fill_skipped_folded(
-    layers: list[torch.Tensor], exits: list[tuple[int, int]], total_steps: int, plane_slots: int
+    layers: list[torch.Tensor],
+    exits: list[tuple[list[int], int, int]],
+    total_steps: int,
+    block_size: int,
+    blocks_per_step: int,
 ) -> None:
-    """ "last-exited" on step-folded layer tensors (``[2, steps * blocks, block_size, Hkv, D]``, step
-    ``t`` at flat slots ``t * plane_slots ..``): for each ``(slot, exit step k)`` in ``exits`` copy
-    step ``k``'s K/V at ``slot`` into steps ``k+1 .. total_steps-1``. One gather and one scatter per
-    layer, however many rows exit (a copy per row, step and layer costs a launch each)."""
+    """ "last-exited" on step-folded layer tensors (``[2, steps * blocks_per_step, block_size, Hkv, D]``,
+    step ``t`` owning blocks ``t * blocks_per_step ..``): for each exiting row ``(block table,
+    position, exit step k)`` copy step ``k``'s K/V at that position into steps ``k+1 .. total_steps-1``.
+    One gather and one scatter per layer, however many rows exit (a copy per row, step and layer
+    costs a launch each)."""
+    plane = blocks_per_step * block_size
     src, dst = [], []
-    for slot, k in exits:
+    for table, position, k in exits:
+        slot = table[position // block_size] * block_size + position % block_size
         for t in range(k + 1, total_steps):
-            src.append(k * plane_slots + slot)
-            dst.append(t * plane_slots + slot)
+            src.append(k * plane + slot)
+            dst.append(t * plane + slot)
     if not src:
         return
     device = layers[0].device

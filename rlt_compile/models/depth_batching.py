@@ -280,6 +280,5 @@ class DepthBatcher:
 
     def _fill_later_steps(self, rows: list[DepthRow]) -> None:
         """ "last-exited" for rows that exit this pass: their exit step's K/V into the later steps."""
-        bs = self.block_size
-        exits = [(r.table[r.position // bs] * bs + r.position % bs, r.step) for r in rows]
-        fill_skipped_folded(self.folded, exits, self.steps, self.num_blocks * bs)
+        exits = [(r.table, r.position, r.step) for r in rows]
+        fill_skipped_folded(self.folded, exits, self.steps, self.block_size, self.num_blocks)

@@ -168,6 +168,5 @@ class HuginnDepthBatcher:
 
     def _fill_later_steps(self, rows: list[HuginnRow]) -> None:
         """ "last-exited": each exiting row's K/V of its last recurrence into the cache's later ones."""
-        bs = self.block_size
-        exits = [(r.table[r.position // bs] * bs + r.position % bs, r.step) for r in rows]
-        fill_skipped_folded(self.core, exits, self.max_steps, self.num_blocks * bs)
+        exits = [(r.table, r.position, r.step) for r in rows]
+        fill_skipped_folded(self.core, exits, self.max_steps, self.block_size, self.num_blocks)
