@@ -1,23 +1,46 @@
-"""Asynchronous token pipeline (batch-1 self-speculation with the decisions on the device): the
-tokens of plain greedy decoding, exactly (fp32), whatever the drafts; a token per pass when every
-draft is right; one CUDA graph replayed with no host read per pass on the GPU."""
+"""Asynchronous token pipeline (batch-1 self-speculation with the decisions on the device), for every
+family: the tokens of plain greedy decoding, exactly (fp32), whatever the drafts (Huginn: with its
+random initial states too); a token per pass when every draft is right; one CUDA graph replayed with
+no host read per pass on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FAMILIES
 
 from rlt_compile import load_model
 from rlt_compile.models.async_pipeline import AsyncTokenPipeline
 from rlt_compile.models.runner import greedy_generate
+from rlt_compile.tiny import write_tiny_checkpoint
 
 PROMPTS = [[(i * 11 + j * 5) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 19, 33))]
 BLOCKS = 4
+# (model, pipeline / forward options): Nanbeige also with 3 loops and the norm only at the end,
+# Huginn with zero and random initial states and with fewer recurrences than its cache holds
+CASES = [
+    ("ouro", {}),
+    ("nanbeige", {}),
+    ("nanbeige-3-loops", {}),
+    ("huginn", {"init_scale": 0.0}),
+    ("huginn", {"init_scale": 1.0}),
+    ("huginn", {"init_scale": 1.0, "num_steps": 3}),
+]
 
 
 @pytest.fixture(scope="module")
-def ouro(tiny_dirs):
-    return load_model(tiny_dirs["ouro"], load_tokenizer=False)
+def models(tiny_dirs, tmp_path_factory):
+    out = {f: load_model(tiny_dirs[f], load_tokenizer=False) for f in FAMILIES}
+    path = write_tiny_checkpoint(
+        "nanbeige", tmp_path_factory.mktemp("nanbeige3"), seed=2, num_loops=3, skip_loop_final_norm=True
+    )
+    out["nanbeige-3-loops"] = load_model(path, load_tokenizer=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ouro(models):
+    return models["ouro"]
 
 
 def pipeline(model, n, **kw):
@@ -26,9 +49,14 @@ def pipeline(model, n, **kw):
 
 
 def forced_agreement(model):
-    """Attention and MLP outputs zeroed, unit final norm: every loop step returns the same
-    normalised state, so every 1-step draft is the full-depth token."""
+    """Every loop step returns the same state, so every 1-step draft is the full-depth token.
+    Ouro / Nanbeige: attention and MLP outputs zeroed, unit final norm (each step returns the
+    normalised embedding). Huginn: the adapter ignores the state, so every recurrence computes the
+    core block of the same injected prelude output."""
     with torch.no_grad():
+        if model.family == "huginn":
+            model.transformer.adapter.weight[:, : model.config.n_embd].zero_()
+            return model
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
@@ -36,18 +64,41 @@ def forced_agreement(model):
     return model
 
 
+def expected_passes(steps: int, n: int, corrupted) -> tuple[int, int]:
+    """(passes, accepted drafts) of the pipeline on a forced-agreement model whose draft of pass
+    ``p`` is corrupted when ``corrupted(p)``: a host model of the device bookkeeping."""
+    wrong = [False]  # per row from step 0: is its token a wrong draft (row 0: the prefill's token)
+    passes = emitted = accepted = 0
+    while emitted < n - 1:
+        if len(wrong) == steps:  # full: row T-1's final token verifies its child's draft
+            emitted += 1
+            if wrong[-2]:
+                wrong = [False]  # the final token restarts alone
+                passes += 1
+                continue
+            accepted += 1
+            wrong = wrong[:-1]
+        wrong = [corrupted(passes), *wrong]
+        passes += 1
+    return passes, accepted
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_tokens_equal_plain_greedy_decoding(ouro, prompt):
-    n = 10
-    want, _ = greedy_generate(ouro, prompt, n)
-    got, stats = pipeline(ouro, n).generate(prompt, n)
+@pytest.mark.parametrize(("name", "opts"), CASES)
+def test_tokens_equal_plain_greedy_decoding(models, name, opts, prompt):
+    model, n = models[name], 10
+    torch.manual_seed(7)  # Huginn's random initial states: the pipeline draws what plain decoding draws
+    want, _ = greedy_generate(model, prompt, n, **opts)
+    torch.manual_seed(7)
+    got, stats = pipeline(model, n, **opts).generate(prompt, n)
     assert got == want
     assert stats["verified"] == n - 1 and 0 <= stats["accepted"] <= n - 1
 
 
-def test_a_token_per_pass_when_every_draft_is_right(tiny_dirs):
-    model = forced_agreement(load_model(tiny_dirs["ouro"], load_tokenizer=False))
-    n, steps = 12, model.config.total_ut_steps
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_token_per_pass_when_every_draft_is_right(tiny_dirs, family):
+    model = forced_agreement(load_model(tiny_dirs[family], load_tokenizer=False))
+    n, steps = 12, model.default_steps
     want, _ = greedy_generate(model, PROMPTS[1], n)
     got, stats = pipeline(model, n).generate(PROMPTS[1], n)
     assert got == want
@@ -55,11 +106,12 @@ def test_a_token_per_pass_when_every_draft_is_right(tiny_dirs):
     assert stats["passes"] == (n - 1) + steps - 1  # fill the pipeline once, then one token per pass
 
 
-def test_wrong_drafts_are_rejected_and_restart(tiny_dirs):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_wrong_drafts_are_rejected_and_restart(tiny_dirs, family):
     """Every third draft corrupted on the device: the output is unchanged, the acceptance drops
-    and each rejection costs a refill of the pipeline."""
-    model = forced_agreement(load_model(tiny_dirs["ouro"], load_tokenizer=False))
-    n, steps, vocab = 12, model.config.total_ut_steps, model.vocab_size
+    and each rejection costs a refill of the pipeline (``T - 1`` passes)."""
+    model = forced_agreement(load_model(tiny_dirs[family], load_tokenizer=False))
+    n, steps, vocab = 12, model.default_steps, model.vocab_size
 
     def corrupt(draft, passes):
         return torch.where(passes % 3 == 0, (draft + 1) % vocab, draft)
@@ -69,7 +121,9 @@ def test_wrong_drafts_are_rejected_and_restart(tiny_dirs):
     assert got == want
     rejected = stats["verified"] - stats["accepted"]
     assert 0 < stats["accepted"] < n - 1 and rejected > 0
-    assert stats["passes"] == (n - 1) + (steps - 1) * (1 + rejected)
+    assert (stats["passes"], stats["accepted"]) == expected_passes(steps, n, lambda p: p % 3 == 0)
+    # each rejection but a last one costs T - 1 passes of refill
+    assert stats["passes"] - (n - 1) - (steps - 1) in ((steps - 1) * rejected, (steps - 1) * (rejected - 1))
 
 
 def test_generate_can_run_twice_and_checks_sizes(ouro):
@@ -84,30 +138,41 @@ def test_generate_can_run_twice_and_checks_sizes(ouro):
         runner.generate(PROMPTS[0], 500)
 
 
-def test_needs_ouro_and_compiled_model_for_graphs(tiny_dirs, ouro):
-    nanbeige = load_model(tiny_dirs["nanbeige"], load_tokenizer=False)
-    with pytest.raises(ValueError, match="Ouro"):
-        AsyncTokenPipeline(nanbeige, nanbeige.allocate_kv_cache(4, 16, fold_steps=True), 16, [0, 1, 2, 3], 4)
+def test_options_and_compiled_model_for_graphs(models, ouro):
+    huginn = models["huginn"]
+    with pytest.raises(ValueError, match="Huginn options"):
+        pipeline(ouro, 4, init_scale=0.0)
+    with pytest.raises(ValueError, match="recurrences the cache holds"):
+        pipeline(huginn, 4, num_steps=5)
+    with pytest.raises(ValueError, match="at least 2"):
+        pipeline(huginn, 4, num_steps=1)
     with pytest.raises(ValueError, match="compiled model"):
         pipeline(ouro, 4, use_graphs=True)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_pipeline_equals_plain_decoding(tiny_dirs, dtype):
+def test_cuda_graph_pipeline_equals_plain_decoding(tiny_dirs, family, dtype):
+    """The captured pipeline (compiled model) gives the compiled model's plain greedy tokens, in
+    fp32 also the eager model's; Huginn with random initial states drawn from the same seed."""
     from rlt_compile.compiler import compile_model
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model = load_model(tiny_dirs["ouro"], dtype=dtype, device="cuda", load_tokenizer=False)
+    model = load_model(tiny_dirs[family], dtype=dtype, device="cuda", load_tokenizer=False)
     n = 16
-    want, _ = greedy_generate(model, PROMPTS[1], n)
+    opts = {"init_scale": 1.0} if family == "huginn" else {}
+    torch.manual_seed(0)
+    want, _ = greedy_generate(model, PROMPTS[1], n, **opts)
     compile_model(model, "cuda")
-    runner = pipeline(model, n)
+    runner = pipeline(model, n, **opts)
     assert runner.graph is None and runner.use_graphs
+    torch.manual_seed(0)
     got, stats = runner.generate(PROMPTS[1], n)
     assert runner.graph is not None
-    plain, _ = greedy_generate(model, PROMPTS[1], n)  # compiled, no graphs
+    torch.manual_seed(0)
+    plain, _ = greedy_generate(model, PROMPTS[1], n, **opts)  # compiled, no graphs
     assert got == plain
     if dtype == torch.float32:
         assert got == want
