@@ -8,6 +8,7 @@ refreshes the literals; review the diff.
 from __future__ import annotations
 
 import copy
+import os
 
 import expecttest
 import torch
@@ -227,5 +228,51 @@ add_rmsnorm2_default = rlt.add_rmsnorm2(y, h, post_norm.weight, pre_norm.weight,
 getitem = getitem(add_rmsnorm2_default, 0)
 getitem_1 = getitem(add_rmsnorm2_default, 1)
 return (getitem, getitem_1)
+""",
+        )
+
+    def test_gemv_swap_cuda(self):
+        from unittest import mock
+
+        module = QKV().to(torch.bfloat16)
+        captured = capture(module, torch.randn(1, 8, dtype=torch.bfloat16))
+        with mock.patch("rlt_compile.platform.triton_supports_pdl", lambda: True), mock.patch.dict("os.environ"):
+            os.environ.pop("RLT_PDL", None)
+            text = before_after(captured, ["fuse_linears", "gemv_swap"], "cuda")
+        self.assertExpectedInline(
+            text,
+            """\
+# before
+input q.weight
+input x
+input k.weight
+input v.weight
+linear = torch.nn.functional.linear(x, q.weight, None)
+silu = torch.nn.functional.silu(linear)
+linear_1 = torch.nn.functional.linear(x, k.weight, None)
+repeat = linear_1.repeat(1, 2)
+linear_2 = torch.nn.functional.linear(x, v.weight, None)
+repeat_1 = linear_2.repeat(1, 2)
+mul = mul(repeat, repeat_1)
+add = add(silu, mul)
+return (add,)
+# after
+# fuse_linears: 3 linears -> 1 fused GEMMs (weights concatenated once, params re-pointed to views)
+# gemv_swap: 1 linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above)
+input q.weight
+input x
+input k.weight
+input v.weight
+_rlt_fused_linear_0 = getattr('_rlt_fused_linear_0')
+linear_small_default = rlt.linear_small(x, _rlt_fused_linear_0)
+narrow = torch.narrow(linear_small_default, -1, 0, 8)
+narrow_1 = torch.narrow(linear_small_default, -1, 8, 4)
+narrow_2 = torch.narrow(linear_small_default, -1, 12, 4)
+silu = torch.nn.functional.silu(narrow)
+repeat = narrow_1.repeat(1, 2)
+repeat_1 = narrow_2.repeat(1, 2)
+mul = mul(repeat, repeat_1)
+add = add(silu, mul)
+return (add,)
 """,
         )

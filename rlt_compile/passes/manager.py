@@ -98,16 +98,18 @@ def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.dot_precision import DotPrecisionPass
     from rlt_compile.passes.fuse_linears import FuseLinearsPass
     from rlt_compile.passes.fuse_rmsnorm import FuseRMSNormPass
+    from rlt_compile.passes.gemv_swap import GemvSwapPass
 
     return {
         "attention_swap": AttentionSwapPass,
         "dot_precision": DotPrecisionPass,
         "fuse_linears": FuseLinearsPass,
         "fuse_rmsnorm": FuseRMSNormPass,
+        "gemv_swap": GemvSwapPass,
     }
 
 
-DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision", "fuse_linears", "fuse_rmsnorm")
+DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision", "fuse_linears", "fuse_rmsnorm", "gemv_swap")
 
 
 def build_passes(spec: Iterable[str | GraphPass] | None = None) -> list[GraphPass]:

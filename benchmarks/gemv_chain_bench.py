@@ -1,0 +1,236 @@
+"""Decode-GEMV chains: cuBLAS vs the prefetching Triton GEMV (``rlt_compile.kernels.gemv``) in the
+sequence of kernels one Ouro-1.4B token really runs, as one CUDA graph.
+
+A GEMV measured alone cannot show what the Triton kernel is for (reading its weights while the
+previous kernel still runs, through PDL), so this replays the batch-1 decode chain of a looped
+layer stack: per layer application ``add_rmsnorm2 -> q/k/v GEMV -> decode attention (KV write
+fused) -> o GEMV -> add_rmsnorm2 -> gate/up GEMV -> SiLU-gate -> down GEMV``, with distinct
+weights per application (``--layers``, default 96 = 24 layers x 4 loop steps, ~9.9 GB: nothing
+stays in L2). ``--gemv-only`` drops the other kernels (a pure chain of dependent GEMVs).
+
+Reports ms per chain, the weights' effective bandwidth, and per config the speedup over cuBLAS in
+the same run::
+
+    python benchmarks/gemv_chain_bench.py --out FILE            # H200: ~1 minute
+    python benchmarks/gemv_chain_bench.py --smoke               # CPU (interpreter), tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rlt_compile.kernels import gemv as gemv_mod
+from rlt_compile.kernels.rmsnorm import add_rmsnorm2_triton
+from rlt_compile.kernels.triton_attention import (
+    _interpret,
+    _interpreter_scope,
+    _kernel,
+    _pdl_launch_options,
+    _use_pdl,
+    attention_forward,
+)
+
+
+def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(gu_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    n = gu.shape[-1] // 2
+    out = torch.empty((*gu.shape[:-1], n), dtype=gu.dtype, device=gu.device)
+    interpret = _interpret(gu)
+    pdl = _use_pdl(gu)
+    with _interpreter_scope(interpret):
+        _kernel(_silu_mul_kernel, interpret)[(triton.cdiv(n, 1024),)](
+            gu, out, n, BLOCK=1024, USE_PDL=pdl, **_pdl_launch_options(pdl)
+        )
+    return out
+
+
+def make_layers(n_layers, hidden, inter, heads, dim, dtype, device):
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def w(n, k):
+        return torch.randn(n, k, generator=g, device=device, dtype=dtype) * k**-0.5
+
+    return [
+        {
+            "qkv": w(3 * heads * dim, hidden),
+            "o": w(hidden, heads * dim),
+            "gu": w(2 * inter, hidden),
+            "down": w(hidden, inter),
+            "n1": torch.ones(hidden, device=device, dtype=dtype),
+            "n2": torch.ones(hidden, device=device, dtype=dtype),
+        }
+        for _ in range(n_layers)
+    ]
+
+
+def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device):
+    blocks = triton.cdiv(ctx + 1, block_size)
+    caches = [torch.randn(2, blocks, block_size, heads, dim, device=device, dtype=dtype) for _ in range(n_layers)]
+    meta = {
+        "slot_mapping": torch.tensor([ctx], device=device, dtype=torch.int64),
+        "block_tables": torch.arange(blocks, device=device, dtype=torch.int32)[None],
+        "seq_lens": torch.tensor([ctx + 1], device=device, dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, 1], device=device, dtype=torch.int32),
+    }
+    return caches, meta
+
+
+def chain(x, layers, linear, caches, meta, heads, dim, gemv_only):
+    h = x
+    residual = torch.zeros_like(x)
+    for i, p in enumerate(layers):
+        if gemv_only:
+            qkv = linear(h, p["qkv"])
+            o = linear(qkv[:, : heads * dim], p["o"])
+            gu = linear(o, p["gu"])
+            h = linear(gu[:, : p["down"].shape[1]], p["down"])
+            continue
+        residual, n = add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
+        qkv = linear(n, p["qkv"]).view(1, 3, heads, dim)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, **meta)
+        o = linear(a.reshape(1, heads * dim), p["o"])
+        residual, n = add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
+        h = linear(silu_mul(linear(n, p["gu"])), p["down"])
+    return h
+
+
+def time_graph(fn, reps):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def candidates(smoke: bool, grid: str):
+    """cuBLAS, the default config, no prefetch, then every ``block_n:block_k:warps:stages`` combination
+    of ``grid`` (comma-separated values per field)."""
+    yield "cublas", None
+    yield "gemv default", {}
+    yield "gemv no prefetch", {"prefetch": False}
+    if smoke:
+        return
+    fields = [[int(v) for v in part.split(",")] for part in grid.split(":")]
+    for block_n, block_k, warps, stages in itertools.product(*fields):
+        if block_n * block_k <= 16384:
+            yield (
+                f"n{block_n} k{block_k} w{warps} s{stages}",
+                {
+                    "block_n": block_n,
+                    "block_k": block_k,
+                    "warps": warps,
+                    "stages": stages,
+                },
+            )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=96)
+    parser.add_argument("--ctx", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--gemv-only", action="store_true")
+    parser.add_argument(
+        "--grid", default="1,2,4:1024,2048:2,4:2,3,4", help="block_n:block_k:warps:stages values to sweep"
+    )
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, dtype = torch.device("cpu"), torch.float32
+        hidden, inter, heads, dim, n_layers = 64, 96, 4, 16, 2
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        hidden, inter, heads, dim, n_layers = 2048, 5632, 16, 128, args.layers
+    layers = make_layers(n_layers, hidden, inter, heads, dim, dtype, device)
+    caches, meta = make_attention(n_layers, heads, dim, args.ctx, 16, dtype, device)
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
+    weight_bytes = sum(t.numel() * t.element_size() for p in layers for t in p.values())
+    ref = chain(x, layers, F.linear, caches, meta, heads, dim, args.gemv_only)
+
+    rows = []
+    for name, cfg in candidates(args.smoke, args.grid):
+        if cfg is None:
+            linear = F.linear
+        else:
+
+            def linear(a, w, cfg=cfg):
+                return gemv_mod.linear_gemv(a, w, cfg)
+
+        def run(linear=linear):
+            return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only)
+
+        try:
+            out = run()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = time_graph(run, args.reps) if device.type == "cuda" else _cpu_time(run)
+        except Exception as exc:  # a config that does not compile: report and go on
+            print(f"{name}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+            continue
+        rows.append((name, ms, err))
+        print(f"{name:24s} {ms:8.3f} ms  {weight_bytes / ms / 1e9:6.2f} TB/s  rel err {err:.1e}", flush=True)
+
+    base = rows[0][1]
+    lines = [
+        f"# GEMV chain: {n_layers} layer applications, {'GEMVs only' if args.gemv_only else 'Ouro decode chain'}, "
+        f"weights {weight_bytes / 1e9:.2f} GB, context {args.ctx}",
+        "",
+        "| linear | ms / chain | weight TB/s | vs cuBLAS | rel err vs cuBLAS chain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, ms, err in sorted(rows, key=lambda r: r[1]):
+        lines.append(f"| {name} | {ms:.3f} | {weight_bytes / ms / 1e9:.2f} | {base / ms:.2f}x | {err:.1e} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+    return 0
+
+
+def _cpu_time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Decode linears (GEMVs) in Triton that prefetch their weights before waiting for their input.
+
+At batch-1 decode every linear ``y = x @ W.T`` reads ``W`` once and is bound by that read, but a
+single GEMV of a few MB cannot reach HBM bandwidth: its first bytes arrive only after its launch,
+and its predecessor's tail leaves the GPU idle. With PDL (Programmatic Dependent Launch, see
+``triton_attention``'s docstring) this kernel is launched while its predecessor still runs, and
+each program loads its first weight tile *before* ``gdc_wait()``: the weights never depend on the
+previous kernel, so their read overlaps the previous kernel instead of following it. Only the
+activations (a few KB) are read after the wait.
+
+``linear_gemv(x, weight)`` handles up to ``MAX_ROWS`` rows: one row without ``tl.dot`` (a
+multiply + sum in fp32), more rows as a ``tl.dot`` tile padded to 16 rows (the padding costs no
+bandwidth). Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
+summation order differs. ``rlt::linear_small`` wraps it as a custom op whose implementation falls
+back to ``F.linear`` for more rows, non-CUDA tensors or unsupported layouts, so graphs with any
+batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode linears.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rlt_compile.kernels.triton_attention import (
+    _interpret,
+    _interpreter_scope,
+    _kernel,
+    _pdl_launch_options,
+    _use_pdl,
+)
+
+__all__ = ["MAX_ROWS", "gemv_config", "linear_gemv", "linear_small", "supports_gemv"]
+
+MAX_ROWS = 16
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
+        w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading x
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    start = 0
+    if PREFETCH:
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x.to(w_first.dtype), tl.trans(w_first), input_precision="ieee")
+        else:
+            acc += tl.sum(w_first.to(tl.float32) * x.to(tl.float32), axis=1)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+    if USE_DOT:
+        y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tiles from shapes only (CUDA-graph safe). One row: 2 output columns per program and a
+    1024-long run of each weight row per load (the best of a sweep on the H200 decode chain,
+    docs/benchmarks.md); more rows: a ``tl.dot`` tile of 16 columns. The prefetched first tile is
+    ``block_n x block_k``."""
+    if device.type == "cpu":  # the interpreter: small tiles exercise the loops
+        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True}
+    block_n = 16 if m > 1 else 2
+    block_k = min(1024 if dtype != torch.float32 else 256, max(16, triton.next_power_of_2(k)))
+    return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True}
+
+
+def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear_gemv`` serves this call (else ``F.linear`` does)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.dtype == weight.dtype
+        and weight.dtype in _DTYPES
+        and 0 < rows <= MAX_ROWS
+        and x.shape[-1] == weight.shape[1]
+    )
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows)."""
+    if not supports_gemv(x, weight):
+        raise ValueError(
+            f"linear_gemv needs <= {MAX_ROWS} rows, a [N, K] weight with unit stride over K and one dtype; "
+            f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}"
+        )
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    cfg = gemv_config(m, n, k, weight.dtype, x.device)
+    cfg.update(config or {})
+    use_dot = m > 1
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    interpret = _interpret(x)
+    pdl = _use_pdl(x)
+    with _interpreter_scope(interpret):
+        _kernel(_gemv_kernel, interpret)[(triton.cdiv(n, cfg["block_n"]),)](
+            x2,
+            weight,
+            y,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
+            BLOCK_N=cfg["block_n"],
+            BLOCK_K=cfg["block_k"],
+            PREFETCH=bool(cfg["prefetch"]),
+            USE_DOT=use_dot,
+            USE_PDL=pdl,
+            num_warps=cfg["warps"],
+            num_stages=cfg["stages"],
+            **_pdl_launch_options(pdl),
+        )
+    return y.reshape(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("rlt::linear_small", mutates_args=())
+def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias): the Triton GEMV for decode-sized CUDA inputs, else ``F.linear``."""
+    if x.is_cuda and supports_gemv(x, weight):
+        return linear_gemv(x, weight)
+    return F.linear(x, weight)
+
+
+@linear_small.register_fake
+def _linear_small_fake(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,154 @@
+"""The prefetching decode GEMV (``kernels/gemv.py``), its custom op and the ``gemv_swap`` pass.
+
+CPU: the kernel under Triton's interpreter against ``x @ W.T`` (one row without ``tl.dot``, several
+rows with it, shapes that cross the tile edges, with and without the prefetched first tile), the
+op's fallbacks, the pass's platform gating and rewrite. GPU (``-m gpu``): bf16/fp16 parity with
+``F.linear`` at the real Ouro shapes, inside a CUDA graph with PDL.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlt_compile.kernels import gemv
+from rlt_compile.passes.gemv_swap import GemvSwapPass
+from rlt_compile.passes.manager import PassContext, PassManager
+from rlt_compile.platform import Platform
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k"), [(40, 70), (64, 128), (17, 33)])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    y = gemv.linear_gemv(x, w, {"prefetch": prefetch})
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_keeps_leading_dims_and_fp16(interpret):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1, 48, generator=gen).half()
+    w = torch.randn(24, 48, generator=gen).half()
+    y = gemv.linear_gemv(x, w)
+    assert y.shape == (2, 1, 24) and y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2e-3, atol=2e-3)
+
+
+def test_gemv_rejects_what_it_cannot_serve():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="<= 16 rows"):
+        gemv.linear_gemv(torch.randn(17, 16), w)
+    with pytest.raises(ValueError, match="stride"):
+        gemv.linear_gemv(torch.randn(1, 16), torch.randn(16, 8).T)
+    assert not gemv.supports_gemv(torch.randn(1, 16).half(), w)
+
+
+def test_linear_small_falls_back_to_f_linear_off_gpu():
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert torch.equal(torch.ops.rlt.linear_small(x, w), F.linear(x, w))
+    big = torch.randn(40, 16)
+    assert torch.equal(torch.ops.rlt.linear_small(big, w), F.linear(big, w))
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, bias=False, dtype=dtype)
+        self.b = torch.nn.Linear(32, 8, bias=True, dtype=dtype)
+
+    def forward(self, x):
+        return self.b(F.silu(self.a(x)))
+
+
+def _capture(module, x):
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(module, backend=record, fullgraph=True, dynamic=False)(x)
+    return seen[0]
+
+
+def _targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_pass_swaps_bias_free_16bit_linears_on_pdl_gpus(monkeypatch):
+    monkeypatch.setattr("rlt_compile.platform.triton_supports_pdl", lambda: True)
+    monkeypatch.delenv("RLT_PDL", raising=False)
+    module = TwoLinears(torch.bfloat16)
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    gm, inputs = _capture(module, x)
+    records = PassManager([GemvSwapPass()]).run(gm, PassContext(Platform.mock("cuda")))
+    assert [r.message.split()[0] for r in records] == ["1"]  # the biased linear stays
+    targets = _targets(gm)
+    assert targets.count("rlt.linear_small.default") == 1
+    assert any("linear" in t and "linear_small" not in t for t in targets)
+    with torch.no_grad():
+        (out,) = gm(*inputs)
+        assert torch.equal(out, module(x))  # on the CPU the op is F.linear
+
+
+@pytest.mark.parametrize(
+    ("platform", "dtype", "env"),
+    [
+        (Platform.mock("cpu"), torch.bfloat16, None),
+        (Platform.mock("rocm"), torch.bfloat16, None),
+        (Platform.mock("cuda", capability=(8, 0)), torch.bfloat16, None),
+        (Platform.mock("cuda"), torch.float32, None),
+        (Platform.mock("cuda"), torch.bfloat16, "0"),
+    ],
+    ids=["cpu", "rocm", "sm80", "fp32", "RLT_PDL=0"],
+)
+def test_pass_leaves_graphs_alone_without_pdl_or_16bit(monkeypatch, platform, dtype, env):
+    monkeypatch.setattr("rlt_compile.platform.triton_supports_pdl", lambda: True)
+    if env is None:
+        monkeypatch.delenv("RLT_PDL", raising=False)
+    else:
+        monkeypatch.setenv("RLT_PDL", env)
+    gm, _ = _capture(TwoLinears(dtype), torch.randn(1, 16, dtype=dtype))
+    assert PassManager([GemvSwapPass()]).run(gm, PassContext(platform)) == []
+    assert "rlt.linear_small.default" not in _targets(gm)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize(("n", "k"), [(6144, 2048), (2048, 5632), (11264, 2048), (49152, 2048), (1000, 300)])
+def test_gemv_gpu_matches_f_linear(dtype, rows, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5
+    ref = (x.float() @ w.float().T).to(dtype)
+    y = gemv.linear_gemv(x, w)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    # inside a CUDA graph (PDL launches on sm_90+), twice in a row: the second reads the first's output
+    w2 = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen) * n**-0.5
+    out = {}
+
+    def chain():
+        out["y"] = gemv.linear_gemv(gemv.linear_gemv(x, w), w2)
+
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref2 = ((x.float() @ w.float().T).to(dtype).float() @ w2.float().T).to(dtype)
+    torch.testing.assert_close(out["y"].float(), ref2.float(), rtol=2e-2, atol=2e-2)
