@@ -16,8 +16,10 @@ step returns the same normalised state and every draft is right): ms per generat
 accepted-draft fraction.
 Part 4 (``--async-pipeline``) decodes 256 tokens of one sequence with the asynchronous token
 pipeline (``rlt_compile.models.async_pipeline``: one CUDA graph per pass, decisions on the device)
-on the forced-agreement model, with a fraction of drafts corrupted on the device to set the
-acceptance rate, against a plain full-depth decode step (CUDA graph) of the same model.
+on the forced-agreement model (``force_agreement``), with a fraction of drafts corrupted on the
+device to set the acceptance rate, against a plain full-depth decode step (CUDA graph) of the same
+model. ``--pipeline-model`` picks the model: ouro-1.4b (default), ouro-2.6b, nanbeige4.2-3b or
+huginn-0125 (32 recurrences, zero initial state).
 """
 
 from __future__ import annotations
@@ -120,30 +122,69 @@ def pipeline_ms(model, context: int, tokens: int, draft_step: int | None) -> tup
     return ms, accepted
 
 
+def force_agreement(model) -> None:
+    """Make every loop step (Huginn: recurrence) return the same state, so every 1-step draft is the
+    full-depth token. Ouro: the post-sublayer norm weights zeroed (sublayer outputs vanish), unit
+    final norm; Nanbeige (no post-sublayer norms): attention and MLP output projections zeroed,
+    unit final norm; Huginn: the adapter's state half zeroed (every recurrence sees only ``e``)."""
+    if model.family == "huginn":
+        model.transformer.adapter.weight[:, : model.config.n_embd].zero_()
+        return
+    for layer in model.model.layers:
+        if model.family == "ouro":
+            layer.input_layernorm_2.weight.zero_()
+            layer.post_attention_layernorm_2.weight.zero_()
+        else:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.model.norm.weight.fill_(1.0)
+
+
+def family_options(model) -> dict:
+    """Forward options of part 4: Huginn with a zero initial state (no random draws in the graphs)."""
+    return {"init_scale": 0.0} if model.family == "huginn" else {}
+
+
+def plain_step_ms(model, cm, context: int) -> float:
+    """A batch-1 full-depth decode step at ``context`` as a CUDA graph."""
+    blocks = -(-(context + 2) // BLOCK)
+    planes = model.allocate_kv_cache(blocks, BLOCK)
+    meta = build_metadata([1], [context], [list(range(blocks))], BLOCK, device="cuda")
+    ids = torch.randint(0, model.vocab_size, (1,), device="cuda")
+    pos = torch.tensor([context], device="cuda")
+    rows = torch.zeros(1, dtype=torch.long, device="cuda")
+    opts = family_options(model)
+    return graph_ms(lambda: cm.run_compiled(ids, pos, planes, meta, rows, **opts))
+
+
 def async_pipeline_ms(model, context: int, tokens: int, acceptance: float) -> tuple[float, dict]:
     """(ms per decoded token, stats) for the asynchronous pipeline with drafts kept right with
     probability ``acceptance`` (on the forced-agreement model every uncorrupted draft is right)."""
     import time
 
-    blocks = -(-(context + tokens + 16) // BLOCK)
+    dev = next(model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+    blocks = -(-(context + tokens + model.default_steps) // BLOCK)  # + the rows in flight
     planes = model.allocate_kv_cache(blocks, BLOCK, fold_steps=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    wrong = torch.rand(8192, generator=gen, device="cuda") >= acceptance
+    gen = torch.Generator(device=dev).manual_seed(0)
+    wrong = torch.rand(8192, generator=gen, device=dev) >= acceptance
     vocab = model.vocab_size
 
     def corrupt(draft, passes):  # index_select: indexing with a 0-d tensor would read it on the host
         flip = wrong.index_select(0, (passes % wrong.numel()).view(1)).squeeze(0)
         return torch.where(flip, (draft + 1) % vocab, draft)
 
-    runner = AsyncTokenPipeline(model, planes, BLOCK, list(range(blocks)), tokens, draft_transform=corrupt)
+    runner = AsyncTokenPipeline(
+        model, planes, BLOCK, list(range(blocks)), tokens, draft_transform=corrupt, **family_options(model)
+    )
     prompt = torch.randint(0, vocab, (context,)).tolist()
     runner.generate(prompt, 8)  # capture and warm-up
 
     def timed(n):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         out = runner.generate(prompt, n)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0, out
 
     prefill_s, _ = timed(1)  # the prefill alone: generate(prompt, 1) runs no pass
@@ -165,6 +206,12 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-spec", action="store_true", help="skip parts 1 and 2")
     parser.add_argument("--async-pipeline", action="store_true", help="add part 4 (module doc)")
     parser.add_argument("--tokens", type=int, default=256, help="part 4: decoded tokens")
+    parser.add_argument(
+        "--pipeline-model",
+        default="ouro-1.4b",
+        choices=["ouro-1.4b", "ouro-2.6b", "nanbeige4.2-3b", "huginn-0125"],
+        help="part 4: the model (real config, random bf16 weights)",
+    )
     args = parser.parse_args(argv)
     k = args.num_draft
     lines = [
@@ -175,8 +222,11 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|---|",
     ]
     with torch.no_grad():
-        model = build_random_model(CONFIGS["ouro-1.4b"], torch.bfloat16, torch.device("cuda"))
-        cm = compile_model(model, platform="cuda")
+        # Ouro-1.4B for parts 1-3; part 4 builds its own model unless it is the same one
+        needs_ouro = not args.skip_spec or args.pipeline or args.pipeline_model == "ouro-1.4b"
+        if needs_ouro:
+            model = build_random_model(CONFIGS["ouro-1.4b"], torch.bfloat16, torch.device("cuda"))
+            cm = compile_model(model, platform="cuda")
         for b in () if args.skip_spec else (int(x) for x in args.batch.split(",")):
             t_plain, t_draft, t_verify = spec_costs(model, cm, b, args.context, k, args.draft_steps)
             speedups = []
@@ -224,15 +274,20 @@ def main(argv=None) -> int:
                     print(f"pipeline {label} d={d}: {ms:.3f} ms/token (off {base:.3f}), accepted {acc:.2f}", flush=True)
                     lines.append(f"| {label} | d={d} | {ms:.3f} | {1e3 / ms:.0f} | {acc:.0%} | {base / ms:.2f}x |")
         if args.async_pipeline:
-            for layer in model.model.layers:  # forced agreement (part 3's note)
-                layer.input_layernorm_2.weight.zero_()
-                layer.post_attention_layernorm_2.weight.zero_()
-            model.model.norm.weight.fill_(1.0)
-            t_plain = spec_costs(model, cm, 1, args.context, k, 1)[0]
+            name = args.pipeline_model
+            if name != "ouro-1.4b":
+                if needs_ouro:
+                    del model, cm
+                    torch.cuda.empty_cache()
+                model = build_random_model(CONFIGS[name], torch.bfloat16, torch.device("cuda"))
+                cm = compile_model(model, platform="cuda")
+            force_agreement(model)
+            t_plain = plain_step_ms(model, cm, args.context)
             lines += [
                 "",
-                f"Asynchronous token pipeline, batch 1, {args.tokens} tokens, context {args.context}, forced agreement "
-                f"with drafts corrupted on the device; plain full-depth step (CUDA graph) {t_plain:.3f} ms:",
+                f"Asynchronous token pipeline, {name} ({model.default_steps} loop steps), batch 1, {args.tokens} "
+                f"tokens, context {args.context}, forced agreement with drafts corrupted on the device; plain "
+                f"full-depth step (CUDA graph) {t_plain:.3f} ms:",
                 "",
                 "| target acceptance | measured acceptance | passes/token | ms/pass | ms/token | tok/s | speedup |",
                 "|---|---|---|---|---|---|---|",
