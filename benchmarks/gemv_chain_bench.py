@@ -95,7 +95,7 @@ def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device):
     return caches, meta
 
 
-def chain(x, layers, linear, caches, meta, heads, dim, gemv_only):
+def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None):
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
@@ -111,7 +111,8 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only):
         a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, **meta)
         o = linear(a.reshape(1, heads * dim), p["o"])
         residual, n = add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
-        h = linear(silu_mul(linear(n, p["gu"])), p["down"])
+        gu = linear(n, p["gu"])
+        h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
     return h
 
 
@@ -145,6 +146,8 @@ def candidates(smoke: bool, grid: str):
     yield "cublas", None
     yield "gemv default", {}
     yield "gemv no prefetch", {"prefetch": False}
+    for block_n in (2, 4, 8):  # the SwiGLU gate folded into the down GEMV (gemv_swap's pattern 2)
+        yield f"gemv + silu fold (down n{block_n})", {"fold": {"block_n": block_n}}
     if smoke:
         return
     fields = [[int(v) for v in part.split(",")] for part in grid.split(":")]
@@ -189,15 +192,23 @@ def main(argv=None) -> int:
 
     rows = []
     for name, cfg in candidates(args.smoke, args.grid):
+        fold = None
         if cfg is None:
             linear = F.linear
         else:
+            cfg = dict(cfg)
+            fold_cfg = cfg.pop("fold", None)
 
             def linear(a, w, cfg=cfg):
                 return gemv_mod.linear_gemv(a, w, cfg)
 
-        def run(linear=linear):
-            return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only)
+            if fold_cfg is not None:
+
+                def fold(gu, w, cfg=fold_cfg):
+                    return gemv_mod.linear_gemv(gu, w, cfg, silu_mul=True)
+
+        def run(linear=linear, fold=fold):
+            return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only, fold)
 
         try:
             out = run()

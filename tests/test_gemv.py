@@ -36,6 +36,17 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gemv_silu_mul_prologue(interpret, rows, prefetch):
+    gen = torch.Generator().manual_seed(rows + 7)
+    gate_up = torch.randn(rows, 2 * 45, generator=gen)
+    w = torch.randn(21, 45, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = gemv.linear_gemv(gate_up, w, {"prefetch": prefetch}, silu_mul=True)
+    torch.testing.assert_close(y, (F.silu(gate) * up) @ w.T, rtol=1e-5, atol=1e-5)
+
+
 def test_gemv_keeps_leading_dims_and_fp16(interpret):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 1, 48, generator=gen).half()
@@ -54,11 +65,14 @@ def test_gemv_rejects_what_it_cannot_serve():
     assert not gemv.supports_gemv(torch.randn(1, 16).half(), w)
 
 
-def test_linear_small_falls_back_to_f_linear_off_gpu():
+def test_ops_fall_back_to_torch_off_gpu():
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     assert torch.equal(torch.ops.rlt.linear_small(x, w), F.linear(x, w))
     big = torch.randn(40, 16)
     assert torch.equal(torch.ops.rlt.linear_small(big, w), F.linear(big, w))
+    gate_up = torch.randn(3, 32)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(torch.ops.rlt.silu_mul_linear_small(gate_up, w), F.linear(F.silu(gate) * up, w))
 
 
 class TwoLinears(torch.nn.Module):
@@ -102,6 +116,45 @@ def test_pass_swaps_bias_free_16bit_linears_on_pdl_gpus(monkeypatch):
         assert torch.equal(out, module(x))  # on the CPU the op is F.linear
 
 
+class GateUpLeak(torch.nn.Module):
+    """A SwiGLU whose gated product is also returned: the fold must not happen."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 64, bias=False, dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(32, 16, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return self.proj(act), act
+
+
+@pytest.mark.parametrize("kind", ["separate", "fused", "leak"])
+def test_pass_folds_the_swiglu_gate_into_the_down_gemv(monkeypatch, kind):
+    from rlt_compile.models.layers import FusedSwiGLU, SwiGLU
+    from rlt_compile.passes.fuse_linears import FuseLinearsPass
+
+    monkeypatch.setattr("rlt_compile.platform.triton_supports_pdl", lambda: True)
+    monkeypatch.delenv("RLT_PDL", raising=False)
+    torch.manual_seed(0)
+    module = {"separate": lambda: SwiGLU(16, 24), "fused": lambda: FusedSwiGLU(16, 24), "leak": GateUpLeak}[kind]()
+    module = module.to(torch.bfloat16)
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    expected = module(x)
+    gm, inputs = _capture(module, x)
+    PassManager([FuseLinearsPass(), GemvSwapPass()]).run(gm, PassContext(Platform.mock("cuda"), example_inputs=inputs))
+    targets = _targets(gm)
+    folded = targets.count("rlt.silu_mul_linear_small.default")
+    assert folded == (0 if kind == "leak" else 1)
+    assert targets.count("rlt.linear_small.default") == 2 - folded
+    assert not any("silu" in t and "linear" not in t for t in targets) or kind == "leak"
+    with torch.no_grad():
+        out = gm(*inputs)
+    for got, want in zip(out, expected if isinstance(expected, tuple) else (expected,)):
+        assert torch.equal(got, want)  # on the CPU the ops run the same torch code as eager
+
+
 @pytest.mark.parametrize(
     ("platform", "dtype", "env"),
     [
@@ -136,6 +189,11 @@ def test_gemv_gpu_matches_f_linear(dtype, rows, n, k):
     ref = (x.float() @ w.float().T).to(dtype)
     y = gemv.linear_gemv(x, w)
     torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=dtype, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).float()
+    y = gemv.linear_gemv(gate_up, w, silu_mul=True)
+    torch.testing.assert_close(y.float(), (act @ w.float().T).to(dtype).float(), rtol=1e-2, atol=1e-2)
     # inside a CUDA graph (PDL launches on sm_90+), twice in a row: the second reads the first's output
     w2 = torch.randn(k, n, device="cuda", dtype=dtype, generator=gen) * n**-0.5
     out = {}

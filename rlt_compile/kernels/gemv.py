@@ -1,17 +1,22 @@
-"""Decode linears (GEMVs) in Triton that prefetch their weights before waiting for their input.
+"""Decode linears (GEMVs) in Triton, launched early through PDL, reading their weights first.
 
 At batch-1 decode every linear ``y = x @ W.T`` reads ``W`` once and is bound by that read, but a
-single GEMV of a few MB cannot reach HBM bandwidth: its first bytes arrive only after its launch,
-and its predecessor's tail leaves the GPU idle. With PDL (Programmatic Dependent Launch, see
-``triton_attention``'s docstring) this kernel is launched while its predecessor still runs, and
-each program loads its first weight tile *before* ``gdc_wait()``: the weights never depend on the
-previous kernel, so their read overlaps the previous kernel instead of following it. Only the
-activations (a few KB) are read after the wait.
+single GEMV of a few MB cannot reach HBM bandwidth on its own: its first bytes arrive only after
+its launch, and its predecessor's tail leaves the GPU idle. With PDL (Programmatic Dependent
+Launch, see ``triton_attention``'s docstring) this kernel is launched while its predecessor still
+runs (cuBLAS GEMVs neither let their successor launch early nor start early themselves), and each
+program loads its first weight tile *before* ``gdc_wait()``: the weights never depend on the
+previous kernel. Only the activations (a few KB) are read after the wait. Measured on the H200's
+Ouro decode chain (``benchmarks/gemv_chain_bench.py``): 1.18x over cuBLAS GEMVs, of which the early
+weight tile is under 1%; the rest is the early launch and small tiles (2 output columns per
+program at one row: thousands of programs keep many loads in flight).
 
-``linear_gemv(x, weight)`` handles up to ``MAX_ROWS`` rows: one row without ``tl.dot`` (a
+``linear_gemv(x, weight, silu_mul=False)`` handles up to ``MAX_ROWS`` rows: one row without ``tl.dot`` (a
 multiply + sum in fp32), more rows as a ``tl.dot`` tile padded to 16 rows (the padding costs no
 bandwidth). Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
-summation order differs. ``rlt::linear_small`` wraps it as a custom op whose implementation falls
+summation order differs. ``silu_mul=True`` forms the input itself from a SwiGLU's gate/up
+row (``silu(gate) * up``, rounded like eager), so the down projection needs no separate kernel.
+``rlt::linear_small`` and ``rlt::silu_mul_linear_small`` wrap it as a custom op whose implementation falls
 back to ``F.linear`` for more rows, non-CUDA tensors or unsupported layouts, so graphs with any
 batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode linears.
 """
@@ -31,7 +36,7 @@ from rlt_compile.kernels.triton_attention import (
     _use_pdl,
 )
 
-__all__ = ["MAX_ROWS", "gemv_config", "linear_gemv", "linear_small", "supports_gemv"]
+__all__ = ["MAX_ROWS", "gemv_config", "linear_gemv", "linear_small", "silu_mul_linear_small", "supports_gemv"]
 
 MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,10 +52,12 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    up_offset,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SILU_MUL: tl.constexpr,
     USE_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -73,7 +80,7 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     start = 0
     if PREFETCH:
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        x = _activations(x_rows, offs_k, mask_m[:, None] & (offs_k[None, :] < K), up_offset, SILU_MUL)
         if USE_DOT:
             acc += tl.dot(x.to(w_first.dtype), tl.trans(w_first), input_precision="ieee")
         else:
@@ -83,7 +90,7 @@ def _gemv_kernel(
         kk = k0 + offs_k
         mask_k = kk < K
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
         if USE_DOT:
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
         else:
@@ -93,6 +100,19 @@ def _gemv_kernel(
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
     else:
         tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _activations(x_rows, kk, mask, up_offset, SILU_MUL: tl.constexpr):
+    """The GEMV's input columns ``kk``: ``x`` itself, or ``silu(gate) * up`` from a gate/up row
+    (``up`` at ``up_offset``), rounded like the eager ``F.silu(gate) * up`` in the input dtype."""
+    x = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(x.dtype)
+        up = tl.load(x_rows + up_offset + kk[None, :], mask=mask, other=0.0)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return x
 
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -107,8 +127,10 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True}
 
 
-def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear_gemv`` serves this call (else ``F.linear`` does)."""
+def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+    """Whether ``linear_gemv`` serves this call (else ``F.linear`` does). With ``silu_mul`` the
+    input is a gate/up row ``[..., 2K]``."""
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
         weight.dim() == 2
@@ -116,22 +138,27 @@ def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype == weight.dtype
         and weight.dtype in _DTYPES
         and 0 < rows <= MAX_ROWS
-        and x.shape[-1] == weight.shape[1]
+        and k == weight.shape[1]
+        and (not silu_mul or x.shape[-1] == 2 * k)
     )
 
 
-def linear_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows)."""
-    if not supports_gemv(x, weight):
+def linear_gemv(
+    x: torch.Tensor, weight: torch.Tensor, config: dict | None = None, silu_mul: bool = False
+) -> torch.Tensor:
+    """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows);
+    with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``."""
+    if not supports_gemv(x, weight, silu_mul):
         raise ValueError(
-            f"linear_gemv needs <= {MAX_ROWS} rows, a [N, K] weight with unit stride over K and one dtype; "
-            f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}"
+            f"linear_gemv{' (silu_mul)' if silu_mul else ''} needs <= {MAX_ROWS} rows, a [N, K] weight with "
+            f"unit stride over K and one dtype; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+            f"{weight.dtype} stride {weight.stride()}"
         )
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, k = x2.shape
-    n = weight.shape[0]
+    m = x2.shape[0]
+    n, k = weight.shape
     cfg = gemv_config(m, n, k, weight.dtype, x.device)
     cfg.update(config or {})
     use_dot = m > 1
@@ -149,10 +176,12 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = Non
             x2.stride(0),
             weight.stride(0),
             y.stride(0),
+            k,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
             PREFETCH=bool(cfg["prefetch"]),
+            SILU_MUL=silu_mul,
             USE_DOT=use_dot,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
@@ -173,3 +202,18 @@ def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @linear_small.register_fake
 def _linear_small_fake(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("rlt::silu_mul_linear_small", mutates_args=())
+def silu_mul_linear_small(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(F.silu(gate) * up, weight)`` for ``gate, up = gate_up.chunk(2, -1)`` (a SwiGLU's
+    down projection): one Triton GEMV that forms its input itself for decode-sized CUDA inputs."""
+    if gate_up.is_cuda and supports_gemv(gate_up, weight, silu_mul=True):
+        return linear_gemv(gate_up, weight, silu_mul=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weight)
+
+
+@silu_mul_linear_small.register_fake
+def _silu_mul_linear_small_fake(gate_up, weight):
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

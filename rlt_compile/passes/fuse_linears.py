@@ -77,6 +77,9 @@ class FuseLinearsPass:
                 w_node = gm.graph.get_attr(attr)
                 w_node.meta["example_value"] = _fake_like(node_value(_weight_of(first)), w_cat)
                 y = gm.graph.call_function(F.linear, (x, w_node, None))
+                part_value = node_value(first)
+                if isinstance(part_value, torch.Tensor):  # later passes read shapes from the meta
+                    y.meta["example_value"] = part_value.new_empty((*part_value.shape[:-1], w_cat.shape[0]))
                 offset = 0
                 for n, w in zip(nodes, weights):
                     part = gm.graph.call_function(torch.narrow, (y, -1, offset, w.shape[0]))

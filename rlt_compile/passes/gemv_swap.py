@@ -1,48 +1,105 @@
-"""gemv_swap: bias-free linears on fixed 16-bit weights -> ``rlt.linear_small`` (prefetching GEMV).
+"""gemv_swap: bias-free linears on fixed 16-bit weights -> the Triton decode GEMV ops.
 
-Pattern: ``torch.nn.functional.linear(x, W, None)`` whose weight ``W`` is a graph input (a
+Pattern 1: ``torch.nn.functional.linear(x, W, None)`` whose weight ``W`` is a graph input (a
 parameter lifted by Dynamo) or a graph attribute (``fuse_linears``' concatenated weights), 2-D,
-bf16 or fp16, and ``x`` of the same dtype.
-Rewrite: ``rlt.linear_small(x, W)``. At run time the op takes the Triton GEMV of
-``kernels/gemv.py`` for up to 16 rows (batch-1..16 decode) and ``F.linear`` otherwise, so one
-graph still serves every token count.
+bf16 or fp16, and ``x`` of the same dtype. Rewrite: ``rlt.linear_small(x, W)``.
+
+Pattern 2 (a SwiGLU's down projection, after pattern 1)::
+
+    g = narrow(y, -1, 0, I)   u = narrow(y, -1, I, I)      # or: g, u = y.chunk(2, dim=-1)
+    d = rlt.linear_small(silu(g) * u, W_down)
+
+with ``y.shape[-1] == 2 * I`` and ``g``, ``u``, ``silu(g)`` and the product used nowhere else.
+Rewrite: ``d = rlt.silu_mul_linear_small(y, W_down)``: the GEMV forms ``silu(g) * u`` itself, so
+the SiLU-gate kernel between the two GEMVs disappears.
+
+At run time both ops take the Triton GEMV of ``kernels/gemv.py`` for up to 16 rows (batch-1..16
+decode) and the torch path otherwise, so one graph still serves every token count.
 
 Why: in a CUDA graph with PDL the GEMV is launched while its predecessor runs and reads its first
-weight tile before waiting for its input, which cuBLAS cannot do; on an H200 the Ouro-1.4B decode
-chain (96 layer applications) runs 1.18x faster than with cuBLAS GEMVs
-(``benchmarks/gemv_chain_bench.py``). Without PDL the kernel is no faster than cuBLAS, so the pass
-changes nothing unless ``Platform.supports_pdl`` (NVIDIA sm_90+) holds and ``RLT_PDL`` allows it.
-Must run after ``fuse_linears`` (it rewrites the same nodes).
+weight tile before waiting for its input; on an H200 the Ouro-1.4B decode chain runs 1.18x faster
+than with cuBLAS GEMVs (docs/benchmarks.md). Without PDL the kernel is no faster than cuBLAS, so
+the pass changes nothing unless ``pdl_enabled`` holds for the platform (NVIDIA sm_90+, ``RLT_PDL``).
+Must run after ``fuse_linears`` (which rewrites the same linears).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from rlt_compile.passes.manager import PassContext, node_value
+from rlt_compile.passes.manager import PassContext, is_op, node_value
 from rlt_compile.platform import pdl_enabled
 
 _LINEAR = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
+_SILU = (F.silu, torch._C._nn.silu, torch.ops.aten.silu.default)
+_MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _swappable(node: fx.Node) -> bool:
+def _linear_args(node: fx.Node):
+    """(x, W) of a swappable linear node, else None."""
     if node.op != "call_function" or node.target not in _LINEAR:
-        return False
+        return None
     args = list(node.args) + [None] * (3 - len(node.args))
-    x, weight, bias = (
-        node.kwargs.get("input", args[0]),
-        node.kwargs.get("weight", args[1]),
-        node.kwargs.get("bias", args[2]),
-    )
+    x = node.kwargs.get("input", args[0])
+    weight, bias = node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     if bias is not None or not isinstance(weight, fx.Node) or weight.op not in ("placeholder", "get_attr"):
-        return False
+        return None
     w, xv = node_value(weight), node_value(x)
     if not isinstance(w, torch.Tensor) or not isinstance(xv, torch.Tensor):
-        return False
-    return w.dim() == 2 and w.dtype in _DTYPES and xv.dtype == w.dtype
+        return None
+    if w.dim() != 2 or w.dtype not in _DTYPES or xv.dtype != w.dtype:
+        return None
+    return x, weight
+
+
+def _only_user(node, user) -> bool:
+    return isinstance(node, fx.Node) and list(node.users) == [user]
+
+
+def _half_of(node) -> tuple[fx.Node, int] | None:
+    """(y, 0 or 1) when ``node`` is the first or second half of ``y``'s last dim, else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is torch.narrow and len(node.args) == 4:
+        y, dim, start, length = node.args
+        yv = node_value(y)
+        if not isinstance(yv, torch.Tensor) or dim not in (-1, yv.dim() - 1) or yv.shape[-1] != 2 * length:
+            return None
+        return (y, 0) if start == 0 else (y, 1) if start == length else None
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] in (0, 1):
+        chunk = node.args[0]
+        if not isinstance(chunk, fx.Node) or chunk.op != "call_method" or chunk.target != "chunk":
+            return None
+        y = chunk.args[0]
+        chunks = chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
+        dim = chunk.args[2] if len(chunk.args) > 2 else chunk.kwargs.get("dim", 0)
+        yv = node_value(y)
+        if chunks != 2 or not isinstance(yv, torch.Tensor) or dim not in (-1, yv.dim() - 1) or yv.shape[-1] % 2:
+            return None
+        return y, node.args[1]
+    return None
+
+
+def _swiglu_input(product: fx.Node, down: fx.Node) -> fx.Node | None:
+    """``y`` when ``product`` is ``silu(first half of y) * second half of y``, used only by ``down``."""
+    if product.op != "call_function" or product.target not in _MUL or not _only_user(product, down):
+        return None
+    a, b = product.args[:2]
+    for act, up in ((a, b), (b, a)):
+        if not (isinstance(act, fx.Node) and act.op == "call_function" and act.target in _SILU):
+            continue
+        gate = act.args[0]
+        g, u = _half_of(gate), _half_of(up)
+        if g is None or u is None or g[0] is not u[0] or (g[1], u[1]) != (0, 1):
+            continue
+        if _only_user(act, product) and _only_user(gate, act) and _only_user(up, product):
+            return g[0]
+    return None
 
 
 class GemvSwapPass:
@@ -51,21 +108,39 @@ class GemvSwapPass:
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> str | None:
         if not pdl_enabled(ctx.platform):
             return None
-        import rlt_compile.kernels.gemv  # noqa: F401  (registers torch.ops.rlt.linear_small)
+        import rlt_compile.kernels.gemv  # noqa: F401  (registers torch.ops.rlt.*linear_small)
 
-        op = torch.ops.rlt.linear_small.default
-        swapped = 0
+        linear_small = torch.ops.rlt.linear_small.default
+        silu_mul_linear = torch.ops.rlt.silu_mul_linear_small.default
+        swapped = folded = 0
         for node in list(gm.graph.nodes):
-            if not _swappable(node):
+            args = _linear_args(node)
+            if args is None:
                 continue
-            args = list(node.args) + [None] * (2 - len(node.args))
-            x, weight = node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1])
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(op, (x, weight))
-            new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            self._replace(gm, node, linear_small, args)
             swapped += 1
+        for node in list(gm.graph.nodes):
+            if not is_op(node, linear_small):
+                continue
+            y = _swiglu_input(node.args[0], node)
+            if y is None:
+                continue
+            product = node.args[0]
+            self._replace(gm, node, silu_mul_linear, (y, node.args[1]))
+            gm.graph.erase_node(product)
+            folded += 1
         if not swapped:
             return None
-        return f"{swapped} linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above)"
+        gm.graph.eliminate_dead_code()
+        message = f"{swapped} linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above)"
+        if folded:
+            message += f", {folded} with the SwiGLU gate folded in (rlt.silu_mul_linear_small)"
+        return message
+
+    @staticmethod
+    def _replace(gm: fx.GraphModule, node: fx.Node, op, args: tuple) -> None:
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(op, tuple(args))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
