@@ -19,14 +19,26 @@ context 128/1024/8192) time the op's whole decode call (KV write + attention, wh
 ``attention_forward``: the old unified kernel, the decode kernel's default and one-knob variations of
 it), check each against SDPA (max abs err), and print the best per case next to the default.
 
-    python benchmarks/attention_bench.py --out attention.md          # GPU, < 2 minutes
-    python benchmarks/attention_bench.py --sweep --out attention.md  # GPU, < 3 minutes
-    python benchmarks/attention_bench.py --smoke [--sweep]           # tiny shapes, runs on CPU too
+``--prefill-sweep``: for each causal prefill case (the two models, 8 x 1k and 1 x 8k) time the
+unified kernel over a grid of tiles (``block_m`` x ``block_n`` x ``warps`` x ``stages``, the kernel's
+default row layout and masking), then the kernel options (``mask_split`` off, ``reverse_tiles``,
+``pad_group``) on the three fastest tiles, with TFLOP/s, SDPA's TFLOP/s on the same data and the max
+abs error vs SDPA; combos that fail to compile or to fit in shared memory are printed and skipped.
+On a GPU every round's kernels are first compiled in parallel worker processes (into Triton's disk
+cache; ``--compile-jobs``), so the sweep's time is mostly the timing itself.
+
+    python benchmarks/attention_bench.py --out attention.md                            # GPU, < 2 minutes
+    python benchmarks/attention_bench.py --sweep --out attention.md                    # GPU, < 3 minutes
+    python benchmarks/attention_bench.py --prefill-sweep --no-table --out prefill.md   # GPU, < 4 minutes
+    python benchmarks/attention_bench.py --smoke [--sweep] [--prefill-sweep]           # tiny shapes, CPU too
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,17 +89,17 @@ def bench_graph(fn, device: torch.device, reps: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def bench(fn, device: torch.device) -> float:
+def bench(fn, device: torch.device, reps: int = 50) -> float:
     """Median milliseconds."""
     if device.type == "cuda":
         if TIMER == "graph":
-            return bench_graph(fn, device)
+            return bench_graph(fn, device, reps)
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=4 * reps // 5, return_mode="median")
     fn()
     times = []
-    for _ in range(3):
+    for _ in range(3 if reps >= 3 else 1):
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
@@ -335,6 +347,180 @@ def prefill_rows(device, dtype, shapes):
     return rows
 
 
+PREFILL_TILES = {  # the tile grid of --prefill-sweep
+    "block_m": (64, 128),
+    "block_n": (32, 64, 128),
+    "warps": (4, 8),
+    "stages": (2, 3, 4),
+}
+SMOKE_PREFILL_TILES = {"block_m": (16, 32), "block_n": (16, 32), "warps": (4,), "stages": (1, 2)}
+# Kernel options tried on the fastest tiles (each one toggled from the kernel default).
+PREFILL_OPTIONS = ({"mask_split": False}, {"reverse_tiles": True}, {"pad_group": True})
+PREFILL_SWEEP_REPS = 10
+PREFILL_TOP_TILES = 3
+MAX_ERR = 5e-2  # bf16 prefill is ~1e-2 vs SDPA; a config far beyond that is broken, not "fast"
+
+
+def config_name(cfg: dict) -> str:
+    if not cfg:
+        return "default"
+    tile = ("block_m", "block_n", "warps", "stages")
+    short = {"block_m": "m", "block_n": "n", "warps": "w", "stages": "s"}
+    parts = [f"{short[k]}{cfg[k]}" for k in tile if k in cfg]
+    parts += [f"{k}={v}" for k, v in cfg.items() if k not in tile]
+    return " ".join(parts)
+
+
+def prefill_cases(shapes):
+    """(model name, heads, kv heads, dim, batch, length) of every prefill sweep case."""
+    return [(name, *dims, batch, ctx) for name, dims in MODELS.items() for batch, ctx in shapes]
+
+
+def prefill_inputs(case, dtype, device):
+    _, heads, kv_heads, dim, batch, ctx = case
+    return make_paged(batch, ctx, ctx, heads, kv_heads, dim, dtype, device)
+
+
+@contextlib.contextmanager
+def _compile_only():
+    """Kernel launches compile (into Triton's in-memory and disk caches) but do not run."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return original(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+def _compile_worker(jobs, dtype_name: str) -> int:
+    """Process-pool worker: compile the launches of ``jobs`` ([(case, config)]) without running them.
+    The same launcher and tensors as the timing process, so Triton's cache keys match there."""
+    dtype = getattr(torch, dtype_name)
+    device = torch.device("cuda")
+    inputs, failed = {}, 0
+    with _compile_only():
+        for case, cfg in jobs:
+            if case not in inputs:
+                inputs[case] = prefill_inputs(case, dtype, device)
+            q, cache, tables, seq_lens, qsl = inputs[case][:5]
+            try:
+                paged_attention_triton(q, cache, tables, seq_lens, qsl, case[3] ** -0.5, config=cfg)
+            except Exception:  # reported by the timing process, which compiles it again
+                failed += 1
+    return failed
+
+
+def precompile(jobs, dtype, workers: int) -> None:
+    """Compile ``jobs`` in ``workers`` spawned processes (best effort: whatever fails here is
+    compiled, or reported, by the timing loop itself)."""
+    if workers <= 1 or not jobs:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    start = time.time()
+    workers = min(workers, len(jobs))
+    chunks = [jobs[i::workers] for i in range(workers)]
+    dtype_name = str(dtype).removeprefix("torch.")
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            failed = sum(pool.map(_compile_worker, chunks, [dtype_name] * workers))
+    except Exception as exc:  # no pool (e.g. a sandbox): compile in the timing loop instead
+        print(f"  precompile failed ({type(exc).__name__}: {exc}); compiling serially", flush=True)
+        return
+    print(f"  precompiled {len(jobs)} launches in {time.time() - start:.0f} s ({failed} failed)", flush=True)
+
+
+def prefill_sweep_rows(device, dtype, shapes, tiles, compile_jobs):
+    """Per causal prefill case: TFLOP/s of the tile grid, then of the options on the best tiles."""
+    cases = prefill_cases(shapes)
+    grid = [dict(zip(tiles, values)) for values in itertools.product(*tiles.values())]
+    base = [{}, {"mask_split": False, "pad_group": True}, *grid]  # default, the old kernel's layout, tiles
+    results = {case: [] for case in cases}
+    rows, detail = [], []
+
+    def time_round(round_cfgs):
+        if device.type == "cuda":
+            precompile([(c, cfg) for c in cases for cfg in round_cfgs[c]], dtype, compile_jobs)
+        for case in cases:
+            name, heads, kv_heads, dim, batch, ctx = case
+            q, cache, tables, seq_lens, qsl, q_s, k_s, v_s = prefill_inputs(case, dtype, device)
+            scale = dim**-0.5
+            ref = sdpa(q_s, k_s, v_s, scale, True).transpose(1, 2).reshape_as(q).float()
+            del q_s, k_s, v_s
+            for cfg in round_cfgs[case]:
+
+                def run(cfg=cfg, q=q, cache=cache, tables=tables, seq_lens=seq_lens, qsl=qsl, scale=scale):
+                    return paged_attention_triton(q, cache, tables, seq_lens, qsl, scale, config=cfg)
+
+                label = f"{name} {batch}x{ctx} {config_name(cfg)}"
+                try:
+                    err = (run().float() - ref).abs().max().item()
+                    ms = bench(run, device, PREFILL_SWEEP_REPS)
+                except Exception as exc:  # does not compile / fit in shared memory: reported, not fatal
+                    print(f"  {label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+                    continue
+                tflops = batch * 2.0 * ctx * ctx * heads * dim / (ms * 1e-3) / 1e12
+                results[case].append((tflops, cfg, err))
+                flag = "  <-- ERROR" if err > MAX_ERR else ""
+                print(f"  {label:56s} {ms * 1e3:9.1f} us {tflops:7.1f} TFLOP/s  err {err:.1e}{flag}", flush=True)
+                detail.append([name, batch, ctx, config_name(cfg), f"{ms * 1e3:.1f}", f"{tflops:.1f}", f"{err:.1e}"])
+            del q, cache, tables, seq_lens, qsl, ref
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    time_round({case: base for case in cases})
+    options = {}
+    for case in cases:
+        ok = sorted((r for r in results[case] if r[2] <= MAX_ERR and r[1] in grid), key=lambda r: -r[0])
+        group = case[1] // case[2]
+        options[case] = [
+            {**cfg, **opt}
+            for _, cfg, _ in ok[:PREFILL_TOP_TILES]
+            for opt in PREFILL_OPTIONS
+            if group > 1 or "pad_group" not in opt
+        ]
+    time_round(options)
+
+    for case in cases:
+        name, heads, kv_heads, dim, batch, ctx = case
+        q, cache, tables, seq_lens, qsl, q_s, k_s, v_s = prefill_inputs(case, dtype, device)
+        t_sdpa = bench(lambda q_s=q_s, k_s=k_s, v_s=v_s, s=dim**-0.5: sdpa(q_s, k_s, v_s, s, True), device)
+        del q, cache, tables, seq_lens, qsl, q_s, k_s, v_s
+        sdpa_tflops = batch * 2.0 * ctx * ctx * heads * dim / (t_sdpa * 1e-3) / 1e12
+        by_name = {config_name(cfg): tflops for tflops, cfg, _ in results[case]}
+        ok = [r for r in results[case] if r[2] <= MAX_ERR]
+        if not ok:
+            rows.append([name, batch, ctx, "-", "-", "no config ran", "-", f"{sdpa_tflops:.1f}", "-", "-"])
+            continue
+        best_tflops, best_cfg, _ = max(ok, key=lambda r: r[0])
+        default = by_name.get("default")
+        old = by_name.get(config_name({"mask_split": False, "pad_group": True}))
+        rows.append(
+            [
+                name,
+                batch,
+                ctx,
+                "-" if old is None else f"{old:.1f}",
+                "-" if default is None else f"{default:.1f}",
+                config_name(best_cfg),
+                f"{best_tflops:.1f}",
+                f"{sdpa_tflops:.1f}",
+                f"{best_tflops / sdpa_tflops:.2f}x",
+                f"{max(e for _, _, e in results[case]):.1e}",
+            ]
+        )
+        print(f"best {name} {batch}x{ctx}: config={best_cfg!r} {best_tflops:.1f} TFLOP/s", flush=True)
+        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    return rows, detail
+
+
 def table(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -346,7 +532,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter, fp32)")
     parser.add_argument("--sweep", action="store_true", help="time launcher configs per decode case first")
-    parser.add_argument("--no-table", action="store_true", help="with --sweep: skip the decode/prefill tables")
+    parser.add_argument("--prefill-sweep", action="store_true", help="time unified-kernel configs per prefill case")
+    parser.add_argument(
+        "--compile-jobs",
+        type=int,
+        default=min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1),
+        help="--prefill-sweep on a GPU: compile each round in this many processes first (1: no pool)",
+    )
+    parser.add_argument("--no-table", action="store_true", help="with a sweep: skip the decode/prefill tables")
     parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph", help="CUDA timing method")
     args = parser.parse_args(argv)
     global TIMER
@@ -358,12 +551,14 @@ def main(argv=None) -> int:
         MODELS = {"tiny MHA 2x16": (2, 2, 16), "tiny GQA 4/2x16": (4, 2, 16)}
         batches, contexts, prefill, copy_bytes = [1, 2], [40], [(2, 32)], 1 << 20
         sweep_batches, sweep_contexts = [2], [40]
+        prefill_tiles = SMOKE_PREFILL_TILES
     else:
         if device.type != "cuda":
             print("attention_bench: needs a GPU (use --smoke for a CPU check)", file=sys.stderr)
             return 2
         batches, contexts, prefill, copy_bytes = [1, 32, 128], [1024, 8192], [(8, 1024), (1, 8192)], 1 << 30
         sweep_batches, sweep_contexts = SWEEP_BATCHES, SWEEP_CONTEXTS
+        prefill_tiles = PREFILL_TILES
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     start = time.time()
     copy_gbps = copy_bandwidth(device, copy_bytes)
@@ -408,13 +603,45 @@ def main(argv=None) -> int:
             "</details>",
             "",
         ]
-        if args.no_table:
-            text = "\n".join(report)
-            print(text)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(text)
-            return 0
+    if args.prefill_sweep:
+        print("# prefill config sweep (unified kernel, causal)", flush=True)
+        sweep, detail = prefill_sweep_rows(device, dtype, prefill, prefill_tiles, args.compile_jobs)
+        report += [
+            "## Prefill config sweep: the unified kernel on causal prefill (TFLOP/s)",
+            "",
+            table(
+                [
+                    "model",
+                    "seqs",
+                    "length",
+                    "old layout",
+                    "default",
+                    "best config",
+                    "best",
+                    "SDPA",
+                    "best / SDPA",
+                    "max abs err (all)",
+                ],
+                sweep,
+            ),
+            "",
+            '"old layout": `mask_split=False, pad_group=True` with the default tile (the pre-split kernel).',
+            "",
+            "<details><summary>every candidate</summary>",
+            "",
+            table(["model", "seqs", "length", "config", "us", "TFLOP/s", "max abs err"], detail),
+            "",
+            "</details>",
+            "",
+        ]
+    if (args.sweep or args.prefill_sweep) and args.no_table:
+        report.append(f"Total benchmark time {time.time() - start:.0f} s.")
+        text = "\n".join(report)
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        return 0
     dec = decode_rows(device, dtype, batches, contexts, copy_gbps)
     pre = prefill_rows(device, dtype, prefill)
     report += [

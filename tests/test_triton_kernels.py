@@ -251,6 +251,69 @@ def test_launcher_reads_no_tensor_values(monkeypatch):
         paged_attention_triton(q, cache, *md[1:], 0.25, split_k=split)
 
 
+# ------------------------------------------------------------- CPU: unified-kernel prefill tiles
+# Query tiles and context lengths chosen to cross the unmasked / masked key-tile boundary: tiles
+# wholly below a query tile's first position skip the masks, the diagonal and context-boundary
+# tiles apply them. Also a decode row and padding rows / sequences in the same batch.
+PREFILL_TILE_MIX = ([40, 7, 25, 1, 19], [0, 33, 16, 50, 13])
+PREFILL_TILE_HEADS = {"gqa12/2": (12, 2), "gqa6/2": (6, 2), "mha4": (4, 4)}  # group 6, 3 and 1
+PREFILL_TILE_CONFIGS = [
+    {},  # packed GQA rows (GROUP rows per token), unmasked + masked phases
+    {"mask_split": False},  # every key tile masked (the old loop)
+    {"pad_group": True},  # GQA rows padded to a power of two per token (the old layout)
+    {"reverse_tiles": True},  # a sequence's last query tile first
+    {"block_m": 64, "block_n": 32},  # key tiles of two KV blocks
+    {"block_m": 16, "block_n": 64, "mask_split": True, "reverse_tiles": True},
+]
+
+
+@pytest.mark.parametrize(
+    "config", PREFILL_TILE_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default"
+)
+@pytest.mark.parametrize("split_k", [False, 4], ids=["nosplit", "split4"])
+@pytest.mark.parametrize("heads", list(PREFILL_TILE_HEADS))
+def test_unified_prefill_tiles_fp32(monkeypatch, heads, split_k, config):
+    case = make_case(*PREFILL_TILE_MIX, *PREFILL_TILE_HEADS[heads], 32, 16, torch.float32, pad_tokens=4, pad_seqs=2)
+    real_empty_like = torch.empty_like  # every output row (padding rows too) must be written
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    check_attention(case, split_k, config=config)
+
+
+@pytest.mark.parametrize("heads", ["gqa12/2", "mha4"])
+def test_unified_prefill_long_chunk_many_query_tiles(heads):
+    """A chunk of many query tiles over a cached prefix, KV blocks larger than the key tile."""
+    case = make_case([70, 3], [45, 100], *PREFILL_TILE_HEADS[heads], 16, 32, torch.float32, pad_tokens=2, seed=40)
+    for config in ({"block_m": 16}, {"block_m": 32, "reverse_tiles": True}, {"block_m": 16, "pad_group": True}):
+        check_attention(case, False, config=config)
+    check_attention(case, 2, config={"block_m": 32, "block_n": 32})
+
+
+def test_unified_mask_split_and_tile_order_are_exact():
+    """Skipping the masks on fully visible key tiles, or reversing the tile order, changes no bit."""
+    q, _, _, cache, md = make_case(*PREFILL_TILE_MIX, 12, 2, 32, 16, torch.float32, pad_tokens=3, seed=41)
+    args = (q, cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.2)
+    for split in (False, 2):
+        base = paged_attention_triton(*args, split_k=split, config={"mask_split": False})
+        for config in ({"mask_split": True}, {"reverse_tiles": True}):
+            assert torch.equal(paged_attention_triton(*args, split_k=split, config=config), base)
+
+
+def test_unified_tile_config_row_layout():
+    """GQA rows are packed GROUP per token (group 6: 21 tokens x 6 heads in a 128-row tile) unless
+    pad_group; the grid bound num_tokens // BLOCK_Q + num_seqs + 1 covers any BLOCK_Q."""
+    tile_config = triton_attention._tile_config
+    cfg = tile_config(False, False, 6, 128, torch.bfloat16)
+    assert (cfg["BLOCK_M"], cfg["GROUP_P"], cfg["BLOCK_Q"]) == (128, 6, 21)
+    assert cfg["MASK_SPLIT"] and not cfg["REVERSE_TILES"]
+    cfg = tile_config(False, False, 6, 128, torch.bfloat16, config={"pad_group": True, "mask_split": False})
+    assert (cfg["BLOCK_M"], cfg["GROUP_P"], cfg["BLOCK_Q"], cfg["MASK_SPLIT"]) == (128, 8, 16, False)
+    cfg = tile_config(False, False, 1, 128, torch.bfloat16, config={"block_m": 64, "block_n": 128, "stages": 3})
+    assert (cfg["BLOCK_M"], cfg["BLOCK_Q"], cfg["BLOCK_N"], cfg["stages"]) == (64, 64, 128, 3)
+    cfg = tile_config(False, False, 48, 128, torch.bfloat16, config={"block_m": 16})
+    assert (cfg["BLOCK_M"], cfg["GROUP_P"], cfg["BLOCK_Q"]) == (64, 48, 1)  # at least one token per tile
+    assert {"mask_split", "pad_group", "reverse_tiles"} <= triton_attention.CONFIG_KEYS
+
+
 # ------------------------------------------------------------------------- CPU: the decode kernel
 # Context lengths cross block (16/32) and key-tile boundaries; seq_len = context + 1.
 DECODE_MIXES = {

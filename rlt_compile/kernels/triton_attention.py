@@ -7,11 +7,17 @@ Four kernels serve the varlen batch layout of ``metadata.py``:
 * ``_paged_attention_kernel`` is one "unified" kernel for a mixed batch: decode rows (one query),
   prefill and chunked-prefill rows (many queries, causal over the cached prefix plus themselves).
   A program owns one KV head and a tile of ``BLOCK_Q`` query tokens x all ``GROUP`` query heads
-  sharing that KV head (GQA), so each K/V tile is read once per group. The softmax is online, in
-  fp32 and in the log2 domain. Programs map to (sequence, query tile) without host reads: the
-  grid's first axis has ``num_tokens // BLOCK_Q + num_seqs`` programs, an upper bound on the
-  number of query tiles, and sequence ``s`` owns the programs from ``query_start_loc[s] // BLOCK_Q
-  + s`` on (a strictly increasing sequence, so each program finds its sequence by counting).
+  sharing that KV head (GQA), so each K/V tile is read once per group. Tile rows are (token, head
+  in group) pairs, ``GROUP_P`` rows per token: ``GROUP`` (no power-of-two padding; config
+  ``pad_group``: its next power of two), so ``BLOCK_Q = BLOCK_M // GROUP_P`` and the last ``BLOCK_M
+  % GROUP_P`` rows are idle. The softmax is online, in fp32 and in the log2 domain. Key tiles wholly
+  at or below the query tile's first position run without any mask; only the diagonal and context-
+  boundary tiles apply the causal / bounds mask (config ``mask_split``). Programs map to (sequence,
+  query tile) without host reads: the grid's first axis has ``num_tokens // BLOCK_Q + num_seqs + 1``
+  programs, an upper bound on the number of query tiles for any ``BLOCK_Q``, and sequence ``s`` owns
+  the programs from ``query_start_loc[s] // BLOCK_Q + s`` on (a strictly increasing sequence, so each
+  program finds its sequence by counting); config ``reverse_tiles`` runs a sequence's last (causally
+  heaviest) query tile first.
 * ``_paged_attention_decode_kernel`` serves all-decode shapes (``num_tokens == num_seqs``, a
   shape-only choice): one program per (token, KV head, context split), no search prologue on the
   fast path (sequence t owns exactly token t; other rows count their sequence), the GQA group's
@@ -158,6 +164,9 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SEQ_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MASK_SPLIT: tl.constexpr,
+    REVERSE_TILES: tl.constexpr,
+    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -181,18 +190,24 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_ptr + seq)
     q_end = tl.where(is_real, tl.load(query_start_ptr + tl.minimum(seq + 1, num_seqs)), num_tokens)
     q_len = q_end - q_start
-    q_off = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query (within the sequence) of the tile
-    if q_off >= q_len:
+    tile = pid - (q_start // BLOCK_Q + seq)  # the program's query tile within the sequence
+    num_q_tiles = tl.cdiv(q_len, BLOCK_Q)
+    if tile >= num_q_tiles:
         return
+    if REVERSE_TILES:  # the last (causally heaviest) tiles first: less tail imbalance
+        tile = num_q_tiles - 1 - tile
+    q_off = tile * BLOCK_Q  # first query (within the sequence) of the tile
     seq_len = tl.where(is_real, tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1)), 0)
     ctx_len = seq_len - q_len  # position of the sequence's first query
 
     # Rows are (query token, head in group) pairs: row r -> token r // GROUP_P, head r % GROUP_P.
+    # GROUP_P is GROUP (packed) or its next power of two (config pad_group); either way rows from
+    # BLOCK_Q * GROUP_P on, and heads past GROUP, are padding.
     offs_m = tl.arange(0, BLOCK_M)
     q_idx = q_off + offs_m // GROUP_P
     head_in_group = offs_m % GROUP_P
     head = kv_head * GROUP + head_in_group
-    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP) & (offs_m < BLOCK_Q * GROUP_P)
     q_pos = ctx_len + q_idx
     token = (q_start + q_idx).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -212,6 +227,13 @@ def _paged_attention_kernel(
         tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         kv_lo = split * tiles_per_split * BLOCK_N
         kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+    # MASK_SPLIT: the key tiles of [kv_lo, full_hi) lie wholly inside [kv_lo, kv_hi) and at or below
+    # the tile's first query position, so every row sees all their keys and they need no mask; only
+    # the diagonal / boundary tiles of [full_hi, kv_hi) do. (kv_lo is a multiple of BLOCK_N.)
+    if MASK_SPLIT:
+        full_hi = kv_lo + tl.maximum(tl.minimum(kv_hi, ctx_len + q_off + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    else:
+        full_hi = kv_lo
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -219,29 +241,40 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_ch
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + offs_n
-        n_valid = pos < kv_hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
-        k = tl.load(
-            k_cache_ptr + kv_off[None, :] + offs_d[:, None] * stride_cd,
-            mask=n_valid[None, :] & d_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-        s = tl.where(n_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd,
-            mask=n_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Phase 0: the unmasked tiles [kv_lo, full_hi) (compiled only with MASK_SPLIT); phase 1: the
+    # masked tiles [full_hi, kv_hi). The same loop body, specialised per phase at compile time.
+    for phase in tl.static_range(0 if MASK_SPLIT else 1, 2):
+        masked = phase == 1
+        lo = full_hi if masked else kv_lo
+        hi = kv_hi if masked else full_hi
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            n_valid = pos < kv_hi
+            if masked:
+                block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            else:
+                block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+            kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+            k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None] * stride_cd  # [BLOCK_D, BLOCK_N]
+            v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd  # [BLOCK_N, BLOCK_D]
+            if masked:
+                k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+            elif EVEN_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            if masked:
+                s = tl.where(n_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -674,9 +707,22 @@ def choose_num_splits(
 
 
 def _tile_config(
-    interpret: bool, decode_like: bool, group_p: int, block_d: int, dtype: torch.dtype, compact: bool = False
+    interpret: bool,
+    decode_like: bool,
+    group: int,
+    block_d: int,
+    dtype: torch.dtype,
+    compact: bool = False,
+    config: dict | None = None,
 ) -> dict:
-    """Tile sizes; every choice depends on shapes, dtypes and the platform kind only."""
+    """Unified-kernel tiles and options: defaults from shapes, dtypes and the platform kind only,
+    then the ``config`` overrides (``block_m``, ``block_n``, ``warps``, ``stages``, ``mask_split``,
+    ``pad_group``, ``reverse_tiles``).
+
+    GQA rows pack (query token, head in group) pairs with ``GROUP_P = group`` rows per token
+    (``pad_group``: the next power of two, the old layout), so ``BLOCK_Q = BLOCK_M // GROUP_P``
+    tokens per tile and ``BLOCK_M % GROUP_P`` rows of padding."""
+    config = config or {}
     # Checked offline with ptxas -v (sm_90, no spills for head_dim <= 128) and for gfx942 (<= 64 KiB LDS).
     if interpret:  # small tiles keep the interpreter fast and exercise the tile loops in tests
         block_m, block_n, warps, stages = (16 if decode_like else 32), 16, 4, 1
@@ -689,8 +735,26 @@ def _tile_config(
     else:
         big = block_d <= 128
         block_m, block_n, warps, stages = (128 if big else 64), (64 if big else 32), (8 if big else 4), 2
-    block_m = max(block_m, group_p, 16)
-    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group_p, "BLOCK_N": block_n, "warps": warps, "stages": stages}
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "warps": warps, "stages": stages}
+    cfg |= {"MASK_SPLIT": True, "PAD_GROUP": False, "REVERSE_TILES": False}
+    for key, name in (
+        ("block_m", "BLOCK_M"),
+        ("block_n", "BLOCK_N"),
+        ("warps", "warps"),
+        ("stages", "stages"),
+        ("mask_split", "MASK_SPLIT"),
+        ("pad_group", "PAD_GROUP"),
+        ("reverse_tiles", "REVERSE_TILES"),
+    ):
+        if config.get(key) is not None:
+            cfg[name] = config[key]
+    for name in ("MASK_SPLIT", "PAD_GROUP", "REVERSE_TILES"):
+        cfg[name] = bool(cfg[name])
+    group_p = triton.next_power_of_2(group)
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], group_p, 16)  # at least one query token per tile
+    cfg["GROUP_P"] = group_p if cfg.pop("PAD_GROUP") else group
+    cfg["BLOCK_Q"] = cfg["BLOCK_M"] // cfg["GROUP_P"]
+    return cfg
 
 
 def choose_decode_splits(
@@ -755,6 +819,9 @@ CONFIG_KEYS = frozenset(
         "waves",
         "prefetch",
         "reduce_warps",
+        "mask_split",
+        "pad_group",
+        "reverse_tiles",
     }
 )
 
@@ -829,8 +896,10 @@ def paged_attention_triton(
     (the heuristic's count, at least 2); an int >= 2 is the number of context splits (rounded up
     to a power of two). ``config`` overrides tiles for tuning (keys in ``CONFIG_KEYS``: ``decode``
     on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
-    (decode), ``waves`` (decode split heuristic), ``reduce_warps``). Nothing here reads tensor
-    values on the host.
+    (decode), ``waves`` (decode split heuristic), ``reduce_warps``; unified kernel only:
+    ``mask_split`` (default True: unmasked key tiles below the diagonal), ``pad_group`` (default
+    False: GQA rows padded to a power of two per token, the old layout), ``reverse_tiles`` (default
+    False: a sequence's last query tile first)). Nothing here reads tensor values on the host.
     """
     return _attention(
         q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
@@ -913,13 +982,7 @@ def _attention(
         )
     else:
         compact = not interpret and _platform.current_platform().compact_attention_tiles
-        cfg = _tile_config(interpret, num_tokens == num_seqs, group_p, block_d, kv_cache.dtype, compact)
-        if config.get("block_m") is not None:
-            cfg["BLOCK_M"] = max(config["block_m"], group_p)
-            cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group_p
-        for key, name in (("block_n", "BLOCK_N"), ("warps", "warps"), ("stages", "stages")):
-            if config.get(key) is not None:
-                cfg[name] = config[key]
+        cfg = _tile_config(interpret, num_tokens == num_seqs, group, block_d, kv_cache.dtype, compact, config)
         num_splits = _split_count(
             split_k,
             config,
@@ -1007,7 +1070,7 @@ def _attention(
                 block_tables.stride(0),
                 *part_strides,
                 GROUP=group,
-                GROUP_P=group_p,
+                GROUP_P=cfg["GROUP_P"],
                 BLOCK_Q=cfg["BLOCK_Q"],
                 BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"],
@@ -1015,6 +1078,9 @@ def _attention(
                 BLOCK_SIZE=block_size,
                 SEQ_P=triton.next_power_of_2(num_seqs + 1),
                 NUM_SPLITS=num_splits,
+                MASK_SPLIT=cfg["MASK_SPLIT"],
+                REVERSE_TILES=cfg["REVERSE_TILES"],
+                EVEN_D=block_d == head_dim,
                 PRECISION=precision,
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
