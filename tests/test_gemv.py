@@ -8,6 +8,8 @@ op's fallbacks, the pass's platform gating and rewrite. GPU (``-m gpu``): bf16/f
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,7 +145,11 @@ def test_pass_folds_the_swiglu_gate_into_the_down_gemv(monkeypatch, kind):
     x = torch.randn(1, 16, dtype=torch.bfloat16)
     expected = module(x)
     gm, inputs = _capture(module, x)
-    PassManager([FuseLinearsPass(), GemvSwapPass()]).run(gm, PassContext(Platform.mock("cuda"), example_inputs=inputs))
+    plain = copy.deepcopy(gm)
+    ctx = PassContext(Platform.mock("cuda"), example_inputs=inputs)
+    PassManager([FuseLinearsPass(), GemvSwapPass()]).run(plain, ctx)
+    assert "rlt.silu_mul_linear_small.default" not in _targets(plain)  # opt-in only
+    PassManager([FuseLinearsPass(), GemvSwapPass(fold_swiglu=True)]).run(gm, ctx)
     targets = _targets(gm)
     folded = targets.count("rlt.silu_mul_linear_small.default")
     assert folded == (0 if kind == "leak" else 1)

@@ -287,8 +287,10 @@ return (add,)
         captured = capture(module, torch.randn(1, 8, dtype=torch.bfloat16))
         with mock.patch("rlt_compile.platform.triton_supports_pdl", lambda: True), mock.patch.dict("os.environ"):
             os.environ.pop("RLT_PDL", None)
-            text = before_after(captured, ["fuse_linears", "gemv_swap"], "cuda")
-        self.assertExpectedInline(text, """\
+            text = before_after(captured, ["fuse_linears", "gemv_swap_swiglu"], "cuda")
+        self.assertExpectedInline(
+            text,
+            """\
 # before
 input gate_proj.weight
 input x
@@ -302,7 +304,7 @@ linear_2 = torch.nn.functional.linear(mul, down_proj.weight, None)
 return (linear_2,)
 # after
 # fuse_linears: 2 linears -> 1 fused GEMMs (weights concatenated once, params re-pointed to views)
-# gemv_swap: 2 linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above), 1 with the SwiGLU gate folded in (rlt.silu_mul_linear_small)
+# gemv_swap_swiglu: 2 linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above), 1 with the SwiGLU gate folded in (rlt.silu_mul_linear_small)
 input gate_proj.weight
 input x
 input up_proj.weight
@@ -311,4 +313,5 @@ _rlt_fused_linear_0 = getattr('_rlt_fused_linear_0')
 linear_small_default = rlt.linear_small(x, _rlt_fused_linear_0)
 silu_mul_linear_small_default = rlt.silu_mul_linear_small(linear_small_default, down_proj.weight)
 return (silu_mul_linear_small_default,)
-""")
+""",
+        )

@@ -153,8 +153,12 @@ def _is_constexpr_annotation(annotation) -> bool:
 
 
 def _is_kernel(obj, module_name: str) -> bool:
+    """A kernel is a function named ``*_kernel`` with constexpr parameters (or a JITFunction of that
+    name): ``@triton.jit`` helpers that kernels call are compiled into them, not on their own."""
     from triton.runtime.jit import JITFunction
 
+    if not getattr(_python_fn(obj), "__name__", "").endswith("_kernel"):
+        return False
     if isinstance(obj, JITFunction):
         return getattr(obj, "module", module_name) == module_name
     if not inspect.isfunction(obj) or obj.__module__ != module_name:
@@ -317,6 +321,7 @@ def capture_launches(
                 with _as_target(platform), _recording(records, label):
                     _run_launchers(w, dtype, mode, prec)
                     _run_norm_launchers(w, dtype, mode)
+                    _run_gemv_launchers(w, dtype, mode)
     return records
 
 
@@ -331,6 +336,20 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     rmsnorm.add_rmsnorm_triton(y, y, w, 1e-6)
     rmsnorm.add_rmsnorm2_triton(y, y, w, w, 1e-6, 1e-6)
     rmsnorm.add_rmsnorm_rmsnorm_triton(y, y, w, w, 1e-6, 1e-6)
+
+
+def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
+    """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
+    and 8 rows, plain and with the SwiGLU gate folded in. Prefill linears run ``F.linear``."""
+    if mode == "prefill":
+        return
+    from rlt_compile.kernels import gemv
+
+    weight = torch.empty(workload.hidden, workload.hidden, dtype=dtype, device="meta")
+    for rows in (1, 8):
+        gemv.linear_gemv(torch.empty(rows, workload.hidden, dtype=dtype, device="meta"), weight)
+        gate_up = torch.empty(rows, 2 * workload.hidden, dtype=dtype, device="meta")
+        gemv.linear_gemv(gate_up, weight, silu_mul=True)
 
 
 # ------------------------------------------------------------------------------ specialisations

@@ -115,15 +115,20 @@ def _activations(x_rows, kk, mask, up_offset, SILU_MUL: tl.constexpr):
     return x
 
 
-def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
     """Tiles from shapes only (CUDA-graph safe). One row: 2 output columns per program and a
     1024-long run of each weight row per load (the best of a sweep on the H200 decode chain,
-    docs/benchmarks.md); more rows: a ``tl.dot`` tile of 16 columns. The prefetched first tile is
+    docs/benchmarks.md); more rows: a ``tl.dot`` tile of 16 columns x 256 (checked spill-free
+    within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU gate, whose
+    extra operand spilled registers on sm_90 at 256). The prefetched first tile is
     ``block_n x block_k``."""
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True}
-    block_n = 16 if m > 1 else 2
-    block_k = min(1024 if dtype != torch.float32 else 256, max(16, triton.next_power_of_2(k)))
+    if m > 1:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
+        block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
+    else:
+        block_n, block_k = 2, (1024 if dtype != torch.float32 else 256)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True}
 
 
@@ -159,7 +164,7 @@ def linear_gemv(
         x2 = x2.contiguous()
     m = x2.shape[0]
     n, k = weight.shape
-    cfg = gemv_config(m, n, k, weight.dtype, x.device)
+    cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     cfg.update(config or {})
     use_dot = m > 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

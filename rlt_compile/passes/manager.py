@@ -98,7 +98,7 @@ def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.dot_precision import DotPrecisionPass
     from rlt_compile.passes.fuse_linears import FuseLinearsPass
     from rlt_compile.passes.fuse_rmsnorm import FuseRMSNormPass
-    from rlt_compile.passes.gemv_swap import GemvSwapPass
+    from rlt_compile.passes.gemv_swap import GemvSwapPass, GemvSwapSwiGLUPass
 
     return {
         "attention_swap": AttentionSwapPass,
@@ -106,6 +106,7 @@ def pass_registry() -> dict[str, type]:
         "fuse_linears": FuseLinearsPass,
         "fuse_rmsnorm": FuseRMSNormPass,
         "gemv_swap": GemvSwapPass,
+        "gemv_swap_swiglu": GemvSwapSwiGLUPass,
     }
 
 
