@@ -714,6 +714,7 @@ def _tile_config(
     dtype: torch.dtype,
     compact: bool = False,
     config: dict | None = None,
+    wide_mha: bool = False,
 ) -> dict:
     """Unified-kernel tiles and options: defaults from shapes, dtypes and the platform kind only,
     then the ``config`` overrides (``block_m``, ``block_n``, ``warps``, ``stages``, ``mask_split``,
@@ -721,7 +722,8 @@ def _tile_config(
 
     GQA rows pack (query token, head in group) pairs with ``GROUP_P = group`` rows per token
     (``pad_group``: the next power of two, the old layout), so ``BLOCK_Q = BLOCK_M // GROUP_P``
-    tokens per tile and ``BLOCK_M % GROUP_P`` rows of padding."""
+    tokens per tile and ``BLOCK_M % GROUP_P`` rows of padding. ``wide_mha`` (NVIDIA): MHA takes a
+    128 x 128 key tile."""
     config = config or {}
     # Checked offline with ptxas -v (sm_90, no spills for head_dim <= 128) and for gfx942 (<= 64 KiB LDS).
     if interpret:  # small tiles keep the interpreter fast and exercise the tile loops in tests
@@ -732,11 +734,15 @@ def _tile_config(
         block_m, block_n, warps, stages = 16, (64 if block_d <= 128 else 32), 4, 3
     elif compact:  # Platform.compact_attention_tiles: the 128x64 tile spills VGPRs on gfx90a/gfx942
         block_m, block_n, warps, stages = 64, (64 if block_d <= 128 else 32), 4, 2
+    elif wide_mha and block_d <= 128 and group == 1:  # MHA on NVIDIA: best of the H200 prefill sweep
+        # (docs/benchmarks.md); its ~220 KiB of shared memory does not fit AMD's LDS (160 KiB on gfx950)
+        block_m, block_n, warps, stages = 128, 128, 8, 3
     else:
         big = block_d <= 128
         block_m, block_n, warps, stages = (128 if big else 64), (64 if big else 32), (8 if big else 4), 2
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "warps": warps, "stages": stages}
-    cfg |= {"MASK_SPLIT": True, "PAD_GROUP": False, "REVERSE_TILES": False}
+    # Heaviest causal tile first: +6-10% at 1 x 8k on the H200, neutral at 8 x 1k.
+    cfg |= {"MASK_SPLIT": True, "PAD_GROUP": False, "REVERSE_TILES": True}
     for key, name in (
         ("block_m", "BLOCK_M"),
         ("block_n", "BLOCK_N"),
@@ -981,8 +987,10 @@ def _attention(
             ),
         )
     else:
-        compact = not interpret and _platform.current_platform().compact_attention_tiles
-        cfg = _tile_config(interpret, num_tokens == num_seqs, group, block_d, kv_cache.dtype, compact, config)
+        plat = _platform.current_platform()
+        compact = not interpret and plat.compact_attention_tiles
+        wide = not interpret and plat.kind == "cuda"
+        cfg = _tile_config(interpret, num_tokens == num_seqs, group, block_d, kv_cache.dtype, compact, config, wide)
         num_splits = _split_count(
             split_k,
             config,
