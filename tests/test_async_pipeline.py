@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, family_options
 
 from rlt_compile import load_model
 from rlt_compile.models.async_pipeline import AsyncTokenPipeline
@@ -148,6 +148,29 @@ def test_options_and_compiled_model_for_graphs(models, ouro):
         pipeline(huginn, 4, num_steps=1)
     with pytest.raises(ValueError, match="compiled model"):
         pipeline(ouro, 4, use_graphs=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_passes_of_a_compiled_model_compile_nothing(tiny_dirs, family):
+    """After a compiled plain decode and one warm-up ``generate``, further passes (another prompt and
+    length) run the units' existing Dynamo graphs: none is compiled again (a recompile per pass
+    would put Dynamo in the loop of the uncaptured pipeline)."""
+    from torch._dynamo.utils import counters
+
+    from rlt_compile.compiler import compile_model
+
+    model = load_model(tiny_dirs[family], load_tokenizer=False)
+    cm = compile_model(model, "cpu", inductor=False)  # Dynamo's guards and graphs without Inductor
+    opts = family_options(family)
+    greedy_generate(model, PROMPTS[0], 3, **opts)  # the plain step's cache first, as spec_bench does
+    runner = pipeline(model, 12, **opts)
+    runner.generate(PROMPTS[1], 12)
+    graphs = cm.graph_counts()
+    counters.clear()
+    _, stats = runner.generate(PROMPTS[2], 10)
+    assert stats["passes"] >= 9
+    assert cm.graph_counts() == graphs
+    assert counters["stats"]["unique_graphs"] == 0
 
 
 @pytest.mark.gpu
