@@ -6,8 +6,9 @@ minute after the compile):
 
 1. the decode linears of the model alone (first layer's weights and the output head) at 1 row (the
    plain step) and at ``T`` rows (a pipeline pass: one row per loop step), each 20 calls in one CUDA
-   graph: ``rlt.linear_small`` (what ``gemv_swap`` puts in the compiled graphs; Triton GEMV for up
-   to 16 rows, ``tl.dot`` tiles above one row) vs ``F.linear`` (cuBLAS), us per call and GB/s;
+   graph: the Triton GEMV (``kernels/gemv.py``) with its default tiles for those rows (no ``tl.dot``
+   up to ``BROADCAST_ROWS``), the same forced onto its 16-row ``tl.dot`` tile, and ``F.linear``
+   (cuBLAS), us per call, GB/s and the ratio to cuBLAS (``--rows``, ``--linears-only``);
 2. the plain full-depth decode step (CUDA graph, spec_bench's timer);
 3. the pipeline pass as one CUDA graph (ms per replay) and without graphs (compiled units called
    from Python, device synchronised), with the Dynamo graphs compiled / recompiles counted across
@@ -58,8 +59,13 @@ def linear_table(model, rows: list[int], dtype: torch.dtype) -> None:
     from rlt_compile.kernels import gemv
 
     dev = torch.device("cuda")
-    print(f"1. decode linears, {dtype}, 20 calls per CUDA graph (us per call, weight GB/s):", flush=True)
-    print(f"   {'weight':<44} {'N x K':>14} {'rows':>4} {'linear_small':>14} {'F.linear':>14} {'small/cuBLAS':>12}")
+    variants = {
+        "gemv": lambda x, w: gemv.linear_gemv(x, w),  # the default tiles for these rows
+        "gemv-dot": lambda x, w: gemv.linear_gemv(x, w, {**gemv.gemv_config(16, *w.shape, w.dtype, w.device)}),
+        "F.linear": F.linear,
+    }
+    print(f"1. decode linears, {dtype}, 20 calls per CUDA graph (us per call, weight GB/s; / cuBLAS):", flush=True)
+    print(f"   {'weight':<40} {'N x K':>14} {'rows':>4} " + " ".join(f"{v:>22}" for v in variants) + "  default tiles")
     for name, n, k in linear_shapes(model):
         nbytes = n * k * torch.tensor([], dtype=dtype).element_size()
         copies = max(1, min(8, (256 << 20) // nbytes))  # rotate copies so the weights leave the 50 MB L2
@@ -67,7 +73,7 @@ def linear_table(model, rows: list[int], dtype: torch.dtype) -> None:
         for m in rows:
             x = torch.randn(m, k, dtype=dtype, device=dev)
             times = []
-            for fn in (torch.ops.rlt.linear_small, F.linear):
+            for fn in variants.values():
 
                 def chain(fn=fn, x=x, ws=weights):
                     for i in range(20):
@@ -81,13 +87,8 @@ def linear_table(model, rows: list[int], dtype: torch.dtype) -> None:
                     graph.replay()
                 sync(dev)
                 times.append((time.perf_counter() - t0) / 100 * 1e6)
-            small, cublas = times
-            tiles = gemv.gemv_config(m, n, k, dtype, dev) if gemv.supports_gemv(x, weights[0]) else "F.linear"
-            print(
-                f"   {name:<44} {n:>6} x {k:<6} {m:>4} {small:>8.1f} {nbytes / small / 1e3:>4.0f}GB/s "
-                f"{cublas:>8.1f} {nbytes / cublas / 1e3:>4.0f}GB/s {small / cublas:>11.2f}x  {tiles}",
-                flush=True,
-            )
+            cells = " ".join(f"{t:>7.1f} {nbytes / t / 1e3:>4.0f}GB/s {t / times[-1]:>5.2f}x" for t in times)
+            print(f"   {name:<40} {n:>6} x {k:<6} {m:>4} {cells}  {gemv.gemv_config(m, n, k, dtype, dev)}", flush=True)
         weights = None  # free the copies before the next shape
         torch.cuda.empty_cache()
 
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny config (smoke test, e.g. with --device cpu)")
     parser.add_argument("--skip-linears", action="store_true", help="skip part 1")
+    parser.add_argument("--rows", default=None, help="part 1's row counts, comma list (default: 1, 2, T)")
+    parser.add_argument("--linears-only", action="store_true", help="part 1 only")
     args = parser.parse_args(argv)
     dev = torch.device(args.device)
     gpu = dev.type == "cuda"
@@ -133,7 +136,10 @@ def main(argv=None) -> int:
             flush=True,
         )
         if gpu and not args.skip_linears:
-            linear_table(model, sorted({1, steps, 2}), dtype)
+            rows = [int(r) for r in args.rows.split(",")] if args.rows else sorted({1, steps, 2})
+            linear_table(model, rows, dtype)
+        if args.linears_only:
+            return 0
         t0 = time.perf_counter()
         cm = compile_model(model, platform=args.device)
         force_agreement(model)

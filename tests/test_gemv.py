@@ -27,7 +27,7 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])  # one row, broadcast over rows (<= 4), tl.dot
 @pytest.mark.parametrize(("n", "k"), [(40, 70), (64, 128), (17, 33)])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
@@ -38,7 +38,7 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_gemv_silu_mul_prologue(interpret, rows, prefetch):
     gen = torch.Generator().manual_seed(rows + 7)
@@ -186,7 +186,7 @@ def test_pass_leaves_graphs_alone_without_pdl_or_16bit(monkeypatch, platform, dt
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize(("n", "k"), [(6144, 2048), (2048, 5632), (11264, 2048), (49152, 2048), (1000, 300)])
 def test_gemv_gpu_matches_f_linear(dtype, rows, n, k):
     gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
@@ -216,3 +216,21 @@ def test_gemv_gpu_matches_f_linear(dtype, rows, n, k):
     torch.cuda.synchronize()
     ref2 = ((x.float() @ w.float().T).to(dtype).float() @ w2.float().T).to(dtype)
     torch.testing.assert_close(out["y"].float(), ref2.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("rows", [gemv.OP_MAX_ROWS, gemv.OP_MAX_ROWS + 1])
+def test_ops_send_more_rows_than_op_max_rows_to_cublas(rows):
+    """Up to ``OP_MAX_ROWS`` rows the op runs the Triton GEMV, above it exactly ``F.linear``."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16, generator=gen) * 512**-0.5
+    y = torch.ops.rlt.linear_small(x, w)
+    gate, up = torch.cat([x, x.flip(-1)], -1).chunk(2, dim=-1)
+    y2 = torch.ops.rlt.silu_mul_linear_small(torch.cat([gate, up], -1), w)
+    if rows > gemv.OP_MAX_ROWS:
+        assert torch.equal(y, F.linear(x, w)) and torch.equal(y2, F.linear(F.silu(gate) * up, w))
+    else:
+        assert torch.equal(y, gemv.linear_gemv(x, w))
+        assert torch.equal(y2, gemv.linear_gemv(torch.cat([gate, up], -1), w, silu_mul=True))

@@ -11,13 +11,13 @@ Ouro decode chain (``benchmarks/gemv_chain_bench.py``): 1.18x over cuBLAS GEMVs,
 weight tile is under 1%; the rest is the early launch and small tiles (2 output columns per
 program at one row: thousands of programs keep many loads in flight).
 
-``linear_gemv(x, weight, silu_mul=False)`` handles up to ``MAX_ROWS`` rows: one row without ``tl.dot`` (a
-multiply + sum in fp32), more rows as a ``tl.dot`` tile padded to 16 rows (the padding costs no
-bandwidth). Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
+``linear_gemv(x, weight, silu_mul=False)`` handles up to ``MAX_ROWS`` rows: up to ``BROADCAST_ROWS``
+without ``tl.dot`` (a multiply + sum in fp32, broadcast over the rows), more as a ``tl.dot`` tile
+padded to 16 rows. Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
 summation order differs. ``silu_mul=True`` forms the input itself from a SwiGLU's gate/up
 row (``silu(gate) * up``, rounded like eager), so the down projection needs no separate kernel.
 ``rlt::linear_small`` and ``rlt::silu_mul_linear_small`` wrap it as a custom op whose implementation falls
-back to ``F.linear`` for more rows, non-CUDA tensors or unsupported layouts, so graphs with any
+back to ``F.linear`` for more than ``OP_MAX_ROWS`` rows, non-CUDA tensors or unsupported layouts, so graphs with any
 batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode linears.
 """
 
@@ -39,6 +39,10 @@ from rlt_compile.kernels.triton_attention import (
 __all__ = ["MAX_ROWS", "gemv_config", "linear_gemv", "linear_small", "silu_mul_linear_small", "supports_gemv"]
 
 MAX_ROWS = 16
+BROADCAST_ROWS = 4  # up to this many rows without tl.dot
+# The custom ops send at most this many rows to Triton and more to cuBLAS: on the H200 the 16-row
+# tl.dot tile ran 1.3-1.5x slower than cuBLAS at 2 rows on Nanbeige's linears (docs/benchmarks.md).
+OP_MAX_ROWS = BROADCAST_ROWS
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -74,32 +78,40 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
+    if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     start = 0
     if PREFETCH:
         x = _activations(x_rows, offs_k, mask_m[:, None] & (offs_k[None, :] < K), up_offset, SILU_MUL)
-        if USE_DOT:
-            acc += tl.dot(x.to(w_first.dtype), tl.trans(w_first), input_precision="ieee")
-        else:
-            acc += tl.sum(w_first.to(tl.float32) * x.to(tl.float32), axis=1)
+        acc += _tile_product(x, w_first, BLOCK_M, USE_DOT)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
-        if USE_DOT:
-            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-    if USE_DOT:
+        acc += _tile_product(x, w, BLOCK_M, USE_DOT)
+    if BLOCK_M == 1:
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _tile_product(x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """``x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T`` in fp32: one row as a ``[BLOCK_N]`` multiply +
+    sum, a few rows broadcast over a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` product (no ``tl.dot``: its
+    16-row padding and shared-memory staging cost more than the weight read at decode sizes), or
+    ``tl.dot`` on a 16-row tile."""
+    if USE_DOT:
+        return tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+    elif BLOCK_M == 1:
+        return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
     else:
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+        return tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
 
 
 @triton.jit
@@ -116,20 +128,23 @@ def _activations(x_rows, kk, mask, up_offset, SILU_MUL: tl.constexpr):
 
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
-    """Tiles from shapes only (CUDA-graph safe). One row: 2 output columns per program and a
-    1024-long run of each weight row per load (the best of a sweep on the H200 decode chain,
-    docs/benchmarks.md); more rows: a ``tl.dot`` tile of 16 columns x 256 (checked spill-free
-    within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU gate, whose
-    extra operand spilled registers on sm_90 at 256). The prefetched first tile is
+    """Tiles from shapes only (CUDA-graph safe). Up to ``BROADCAST_ROWS`` rows: no ``tl.dot``, 2
+    output columns per program and a 1024-long run of each weight row per load at one row (the best
+    of a sweep on the H200 decode chain, docs/benchmarks.md), shortened so the broadcast product
+    keeps the same size at more rows. More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
+    spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
+    gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
     ``block_n x block_k``."""
+    dot = m > BROADCAST_ROWS
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
-        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True}
-    if m > 1:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
+        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot}
+    if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
     else:
-        block_n, block_k = 2, (1024 if dtype != torch.float32 else 256)
+        block_n = 2
+        block_k = (1024 if dtype != torch.float32 else 256) // triton.next_power_of_2(m)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True}
+    return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
 
 
 def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
@@ -166,7 +181,7 @@ def linear_gemv(
     n, k = weight.shape
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     cfg.update(config or {})
-    use_dot = m > 1
+    use_dot = bool(cfg["dot"])
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     interpret = _interpret(x)
     pdl = _use_pdl(x)
@@ -182,7 +197,7 @@ def linear_gemv(
             weight.stride(0),
             y.stride(0),
             k,
-            BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
+            BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m),
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
             PREFETCH=bool(cfg["prefetch"]),
@@ -196,10 +211,14 @@ def linear_gemv(
     return y.reshape(*x.shape[:-1], n)
 
 
+def _op_serves(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.numel() <= OP_MAX_ROWS * x.shape[-1]
+
+
 @torch.library.custom_op("rlt::linear_small", mutates_args=())
 def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias): the Triton GEMV for decode-sized CUDA inputs, else ``F.linear``."""
-    if x.is_cuda and supports_gemv(x, weight):
+    if _op_serves(x) and supports_gemv(x, weight):
         return linear_gemv(x, weight)
     return F.linear(x, weight)
 
@@ -213,7 +232,7 @@ def _linear_small_fake(x, weight):
 def silu_mul_linear_small(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(F.silu(gate) * up, weight)`` for ``gate, up = gate_up.chunk(2, -1)`` (a SwiGLU's
     down projection): one Triton GEMV that forms its input itself for decode-sized CUDA inputs."""
-    if gate_up.is_cuda and supports_gemv(gate_up, weight, silu_mul=True):
+    if _op_serves(gate_up) and supports_gemv(gate_up, weight, silu_mul=True):
         return linear_gemv(gate_up, weight, silu_mul=True)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, weight)
