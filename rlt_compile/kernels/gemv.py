@@ -41,8 +41,9 @@ __all__ = ["MAX_ROWS", "gemv_config", "linear_gemv", "linear_small", "silu_mul_l
 MAX_ROWS = 16
 BROADCAST_ROWS = 4  # up to this many rows without tl.dot
 # The custom ops send at most this many rows to Triton and more to cuBLAS: on the H200 the 16-row
-# tl.dot tile ran 1.3-1.5x slower than cuBLAS at 2 rows on Nanbeige's linears (docs/benchmarks.md).
-OP_MAX_ROWS = BROADCAST_ROWS
+# tl.dot tile ran 1.3-1.5x slower than cuBLAS at 2 rows on Nanbeige's linears (docs/benchmarks.md);
+# the broadcast path for 2-4 rows is not measured on a GPU yet (pipeline_pass_profile.py --rows).
+OP_MAX_ROWS = 1
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
