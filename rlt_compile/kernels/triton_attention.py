@@ -290,6 +290,33 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + split64 * stride_ls + token * stride_lt + head, lse, mask=row_valid)
 
 
+@triton.jit
+def _decode_tile(
+    q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr
+):
+    """One key tile of the decode kernel's online softmax: scores of ``q`` against ``k`` (invalid
+    keys masked), the running max / sum / output rescaled and ``P @ V`` added; returns
+    ``(m_i, l_i, acc)``. Without ``tl.dot``, ``q`` is already fp32 and scaled."""
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    elif ROWS == 1:
+        s = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
+    else:
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = tl.where(n_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    elif ROWS == 1:
+        pv = tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 def _paged_attention_decode_kernel(
     q_ptr,
     k_ptr,
@@ -431,25 +458,7 @@ def _paged_attention_decode_kernel(
         if PREFETCH:
             nxt = pos + BLOCK_N
             block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < cache_hi, other=0).to(tl.int64)
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        elif ROWS == 1:
-            s = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
-        else:
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        elif ROWS == 1:
-            pv = tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
     if FUSE_WRITE:  # this step's keys (the decode token itself) straight from k/v, in the cache dtype
         for start in range(tl.maximum(kv_lo, ctx_len), kv_hi, BLOCK_N):
             pos = start + offs_n
@@ -466,25 +475,7 @@ def _paged_attention_decode_kernel(
                 mask=kv_mask,
                 other=0.0,
             ).to(v_cache_ptr.dtype.element_ty)
-            if USE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            elif ROWS == 1:
-                s = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
-            else:
-                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-            s = tl.where(n_valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if USE_DOT:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            elif ROWS == 1:
-                pv = tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
-            else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
