@@ -14,24 +14,10 @@ import torch
 from rlt_compile.kernels.reference import attention_reference
 
 
-def _attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale)
-
-
 # The generic op models call (eager: the torch reference) and the torch backend the swap pass can
 # select: the same implementation under two names, so the swap is visible in the graph.
-attention = torch.library.custom_op("rlt::attention", _attention_reference, mutates_args=("kv_cache",))
-attention_torch = torch.library.custom_op("rlt::attention_torch", _attention_reference, mutates_args=("kv_cache",))
+attention = torch.library.custom_op("rlt::attention", attention_reference, mutates_args=("kv_cache",))
+attention_torch = torch.library.custom_op("rlt::attention_torch", attention_reference, mutates_args=("kv_cache",))
 
 
 def _fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
