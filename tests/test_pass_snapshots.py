@@ -258,7 +258,7 @@ add = add(silu, mul)
 return (add,)
 # after
 # fuse_linears: 3 linears -> 1 fused GEMMs (weights concatenated once, params re-pointed to views)
-# gemv_swap: 1 linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above)
+# gemv_swap: 1 linears -> rlt.linear_small (Triton GEMV for one row, F.linear above)
 input q.weight
 input x
 input k.weight
@@ -304,7 +304,7 @@ linear_2 = torch.nn.functional.linear(mul, down_proj.weight, None)
 return (linear_2,)
 # after
 # fuse_linears: 2 linears -> 1 fused GEMMs (weights concatenated once, params re-pointed to views)
-# gemv_swap_swiglu: 2 linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above), 1 with the SwiGLU gate folded in (rlt.silu_mul_linear_small)
+# gemv_swap_swiglu: 2 linears -> rlt.linear_small (Triton GEMV for one row, F.linear above), 1 with the SwiGLU gate folded in (rlt.silu_mul_linear_small)
 input gate_proj.weight
 input x
 input up_proj.weight

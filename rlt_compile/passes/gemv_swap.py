@@ -16,8 +16,9 @@ the SiLU-gate kernel between the two GEMVs disappears. Measured slower on the H2
 decode 227 -> 204 tok/s: every program of the down GEMV re-reads and re-gates the whole gate/up row
 from L2, which costs more than the launch it saves), hence not in the default list.
 
-At run time both ops take the Triton GEMV of ``kernels/gemv.py`` for up to 16 rows (batch-1..16
-decode) and the torch path otherwise, so one graph still serves every token count.
+At run time both ops take the Triton GEMV of ``kernels/gemv.py`` for up to ``gemv.OP_MAX_ROWS``
+rows (one: batch-1 decode; more rows measured slower than cuBLAS) and the torch path otherwise, so
+one graph still serves every token count.
 
 Why: in a CUDA graph with PDL the GEMV is launched while its predecessor runs and reads its first
 weight tile before waiting for its input; on an H200 the Ouro-1.4B decode chain runs 1.18x faster
@@ -138,7 +139,7 @@ class GemvSwapPass:
         if not swapped:
             return None
         gm.graph.eliminate_dead_code()
-        message = f"{swapped} linears -> rlt.linear_small (Triton GEMV up to 16 rows, F.linear above)"
+        message = f"{swapped} linears -> rlt.linear_small (Triton GEMV for one row, F.linear above)"
         if folded:
             message += f", {folded} with the SwiGLU gate folded in (rlt.silu_mul_linear_small)"
         return message
