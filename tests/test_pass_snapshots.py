@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import rlt_compile.kernels  # noqa: F401  (registers torch.ops.rlt.*)
+from rlt_compile.kernels.reference import apply_rope_half
 from rlt_compile.passes.manager import PassContext, PassManager, build_passes, format_graph
 from rlt_compile.platform import Platform
 
@@ -63,6 +64,22 @@ class QKV(torch.nn.Module):
 
     def forward(self, x):
         return F.silu(self.q(x)) + self.k(x).repeat(1, 2) * self.v(x).repeat(1, 2)
+
+
+class RopeQKV(torch.nn.Module):
+    """``models.layers.Attention`` up to the attention call."""
+
+    def __init__(self, leak_q: bool = False):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(32, n, bias=False) for n in (64, 32, 32))
+        self.leak_q = leak_q
+
+    def forward(self, x, cos, sin):
+        T = x.shape[0]
+        q, k, v = self.q(x).view(T, 4, 16), self.k(x).view(T, 2, 16), self.v(x).view(T, 2, 16)
+        q_rot, k_rot = apply_rope_half(q, cos, sin), apply_rope_half(k, cos, sin)
+        out = q_rot.sum(1) + k_rot.sum(1) * v.sum(1)
+        return out + q.sum(1) if self.leak_q else out
 
 
 class Sandwich(torch.nn.Module):
@@ -274,6 +291,97 @@ repeat_1 = narrow_2.repeat(1, 2)
 mul = mul(repeat, repeat_1)
 add = add(silu, mul)
 return (add,)
+""",
+        )
+
+    def test_fuse_rope_gemv_cuda(self):
+        from unittest import mock
+
+        from rlt_compile.models.layers import rope_cos_sin, rope_inv_freq
+
+        torch.manual_seed(0)
+        module = RopeQKV().to(torch.bfloat16)
+        cos, sin = rope_cos_sin(torch.tensor([3]), rope_inv_freq(16, 10000.0))
+        captured = capture(module, torch.randn(1, 32, dtype=torch.bfloat16), cos, sin)
+        with mock.patch("rlt_compile.platform.triton_supports_pdl", lambda: True), mock.patch.dict("os.environ"):
+            os.environ.pop("RLT_PDL", None)
+            text = before_after(captured, ["fuse_linears", "gemv_swap", "fuse_rope_gemv"], "cuda")
+        self.assertExpectedInline(
+            text,
+            """\
+# before
+input x
+input q.weight
+input k.weight
+input v.weight
+input cos_in
+input sin_in
+linear = torch.nn.functional.linear(x, q.weight, None)
+q = linear.view(1, 4, 16)
+linear_1 = torch.nn.functional.linear(x, k.weight, None)
+k = linear_1.view(1, 2, 16)
+linear_2 = torch.nn.functional.linear(x, v.weight, None)
+v = linear_2.view(1, 2, 16)
+getitem = getitem(cos_in, (slice(None, None, None), None, slice(None, None, None)))
+cos = getitem.to(torch.bfloat16)
+getitem_1 = getitem(sin_in, (slice(None, None, None), None, slice(None, None, None)))
+sin = getitem_1.to(torch.bfloat16)
+chunk = q.chunk(2, dim=-1)
+x1 = getitem(chunk, 0)
+x2 = getitem(chunk, 1)
+mul = mul(x1, cos)
+neg = neg(x2)
+mul_1 = mul(neg, sin)
+add = add(mul, mul_1)
+mul_2 = mul(x2, cos)
+mul_3 = mul(x1, sin)
+add_1 = add(mul_2, mul_3)
+q_rot = torch.cat([add, add_1], dim=-1)
+getitem_4 = getitem(cos_in, (slice(None, None, None), None, slice(None, None, None)))
+cos_1 = getitem_4.to(torch.bfloat16)
+getitem_5 = getitem(sin_in, (slice(None, None, None), None, slice(None, None, None)))
+sin_1 = getitem_5.to(torch.bfloat16)
+chunk_1 = k.chunk(2, dim=-1)
+x1_1 = getitem(chunk_1, 0)
+x2_1 = getitem(chunk_1, 1)
+mul_4 = mul(x1_1, cos_1)
+neg_1 = neg(x2_1)
+mul_5 = mul(neg_1, sin_1)
+add_2 = add(mul_4, mul_5)
+mul_6 = mul(x2_1, cos_1)
+mul_7 = mul(x1_1, sin_1)
+add_3 = add(mul_6, mul_7)
+k_rot = torch.cat([add_2, add_3], dim=-1)
+sum_1 = q_rot.sum(1)
+sum_2 = k_rot.sum(1)
+sum_3 = v.sum(1)
+mul_8 = mul(sum_2, sum_3)
+out = add(sum_1, mul_8)
+return (out,)
+# after
+# fuse_linears: 3 linears -> 1 fused GEMMs (weights concatenated once, params re-pointed to views)
+# gemv_swap: 1 linears -> rlt.linear_small (Triton GEMV for one row, F.linear above)
+# fuse_rope_gemv: 2 rotaries folded into 1 rlt.rope_linear_small (rotation in the GEMV's epilogue)
+input x
+input q.weight
+input k.weight
+input v.weight
+input cos
+input sin
+_rlt_fused_linear_0 = getattr('_rlt_fused_linear_0')
+rope_linear_small_default = rlt.rope_linear_small(x, _rlt_fused_linear_0, cos, sin, 0, 96, 16)
+narrow = torch.narrow(rope_linear_small_default, -1, 0, 64)
+narrow_1 = torch.narrow(rope_linear_small_default, -1, 64, 32)
+narrow_2 = torch.narrow(rope_linear_small_default, -1, 96, 32)
+q = narrow.view(1, 4, 16)
+k = narrow_1.view(1, 2, 16)
+v = narrow_2.view(1, 2, 16)
+sum_1 = q.sum(1)
+sum_2 = k.sum(1)
+sum_3 = v.sum(1)
+mul_8 = mul(sum_2, sum_3)
+out = add(sum_1, mul_8)
+return (out,)
 """,
         )
 

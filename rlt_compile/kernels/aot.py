@@ -340,7 +340,8 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
 
 def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one and two rows (no ``tl.dot``)
-    and 8 rows, plain and with the SwiGLU gate folded in. Prefill linears run ``F.linear``."""
+    and 8 rows, plain and with the SwiGLU gate folded in; one row with the rotary epilogue. Prefill
+    linears run ``F.linear``."""
     if mode == "prefill":
         return
     from rlt_compile.kernels import gemv
@@ -350,6 +351,10 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
         gemv.linear_gemv(torch.empty(rows, workload.hidden, dtype=dtype, device="meta"), weight)
         gate_up = torch.empty(rows, 2 * workload.hidden, dtype=dtype, device="meta")
         gemv.linear_gemv(gate_up, weight, silu_mul=True)
+    half = workload.head_dim // 2  # the fused q/k/v GEMV with its rotary epilogue (fuse_rope_gemv)
+    cos = torch.empty(1, half, dtype=torch.float32, device="meta")
+    rope = gemv.RopeColumns(cos, cos, 0, workload.hidden // workload.head_dim * workload.head_dim, workload.head_dim)
+    gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, rope=rope)
 
 
 # ------------------------------------------------------------------------------ specialisations

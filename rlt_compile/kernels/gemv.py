@@ -23,11 +23,14 @@ batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rlt_compile.kernels.reference import apply_rope_half
 from rlt_compile.kernels.triton_attention import (
     _interpret,
     _interpreter_scope,
@@ -36,7 +39,18 @@ from rlt_compile.kernels.triton_attention import (
     _use_pdl,
 )
 
-__all__ = ["MAX_ROWS", "gemv_config", "linear_gemv", "linear_small", "silu_mul_linear_small", "supports_gemv"]
+__all__ = [
+    "MAX_ROWS",
+    "RopeColumns",
+    "gemv_config",
+    "linear_gemv",
+    "linear_small",
+    "rope_columns_reference",
+    "rope_linear_small",
+    "silu_mul_linear_small",
+    "supports_gemv",
+    "supports_rope",
+]
 
 MAX_ROWS = 16
 BROADCAST_ROWS = 4  # up to this many rows without tl.dot
@@ -58,16 +72,27 @@ def _gemv_kernel(
     stride_wn,
     stride_ym,
     up_offset,
+    cos_ptr,
+    sin_ptr,
+    rope_lo,
+    rope_hi,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
     SILU_MUL: tl.constexpr,
     USE_DOT: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE_HALF > 0:  # columns in [rope_lo, rope_hi): each program takes whole (d, d + half) pairs
+        in_rope = (pid * BLOCK_N >= rope_lo) & (pid * BLOCK_N < rope_hi)
+        pair = (pid * BLOCK_N - rope_lo + tl.arange(0, BLOCK_N)) // 2
+        rope_cols = rope_lo + (pair // ROPE_HALF) * (2 * ROPE_HALF) + pair % ROPE_HALF
+        rope_cols += (tl.arange(0, BLOCK_N) % 2) * ROPE_HALF
+        offs_n = tl.where(in_rope, rope_cols, offs_n)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -95,10 +120,28 @@ def _gemv_kernel(
         x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
         acc += _tile_product(x, w, BLOCK_M, USE_DOT)
     if BLOCK_M == 1:
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+        out = acc.to(y_ptr.dtype.element_ty)
+        if ROPE_HALF > 0:
+            out = tl.where(in_rope, _rotate_pairs(out, offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N), out)
+        tl.store(y_ptr + offs_n, out, mask=mask_n)
     else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _rotate_pairs(y, cols, cos_ptr, sin_ptr, ROPE_HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rotate-half rotary on one row's output columns, laid out as pairs ``(d, d + half)`` of a
+    head: ``(a, b) -> (a cos - b sin, b cos + a sin)`` in fp32 on the rounded outputs with cos/sin
+    rounded to the output dtype (the model's ``apply_rope_half`` as Inductor computes it), rounded
+    once."""
+    lo, hi = tl.split(tl.reshape(y.to(tl.float32), [BLOCK_N // 2, 2]))
+    # a pair's frequency index; outside [lo, hi) any in-bounds index (the result is discarded)
+    j, _ = tl.split(tl.reshape(cols % ROPE_HALF, [BLOCK_N // 2, 2]))
+    cos = tl.load(cos_ptr + j).to(y.dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + j).to(y.dtype).to(tl.float32)
+    rotated = tl.join(lo * cos - hi * sin, hi * cos + lo * sin)
+    return tl.reshape(rotated, [BLOCK_N]).to(y.dtype)
 
 
 @triton.jit
@@ -148,6 +191,42 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
 
 
+@dataclass(frozen=True)
+class RopeColumns:
+    """Output columns ``[lo, hi)`` of a linear hold whole heads of ``head_dim`` to rotate with
+    rotate-half rotary; ``cos``/``sin`` are the model's ``[T, head_dim // 2]`` fp32 tables."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    lo: int
+    hi: int
+    head_dim: int
+
+
+def supports_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeColumns) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    half = rope.head_dim // 2
+    return (
+        rows == 1
+        and rope.head_dim % 2 == 0
+        and 0 <= rope.lo < rope.hi <= weight.shape[0]
+        and (rope.hi - rope.lo) % rope.head_dim == 0
+        and tuple(rope.cos.shape) == tuple(rope.sin.shape) == (1, half)
+        and rope.cos.is_contiguous()
+        and rope.sin.is_contiguous()
+    )
+
+
+def rope_columns_reference(y: torch.Tensor, rope: RopeColumns) -> torch.Tensor:
+    """``y`` with columns ``[lo, hi)`` rotated per head exactly as the models' eager
+    ``apply_rope_half`` does (in ``y``'s dtype); the other columns unchanged."""
+    rows = y.reshape(-1, y.shape[-1])
+    region = rows[:, rope.lo : rope.hi].reshape(rows.shape[0], -1, rope.head_dim)
+    rotated = apply_rope_half(region, rope.cos, rope.sin).reshape(rows.shape[0], -1)
+    out = torch.cat([rows[:, : rope.lo], rotated, rows[:, rope.hi :]], dim=-1)
+    return out.reshape(y.shape)
+
+
 def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
     """Whether ``linear_gemv`` serves this call (else ``F.linear`` does). With ``silu_mul`` the
     input is a gate/up row ``[..., 2K]``."""
@@ -165,10 +244,21 @@ def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
 
 
 def linear_gemv(
-    x: torch.Tensor, weight: torch.Tensor, config: dict | None = None, silu_mul: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: dict | None = None,
+    silu_mul: bool = False,
+    rope: RopeColumns | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows);
-    with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``."""
+    with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``; with
+    ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``."""
+    if rope is not None and not supports_rope(x, weight, rope):
+        raise ValueError(
+            f"linear_gemv with rope needs one row, a column range [lo, hi) of whole heads inside the output "
+            f"and cos/sin of [1, head_dim // 2]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"columns [{rope.lo}, {rope.hi}), head_dim {rope.head_dim}, cos {tuple(rope.cos.shape)}"
+        )
     if not supports_gemv(x, weight, silu_mul):
         raise ValueError(
             f"linear_gemv{' (silu_mul)' if silu_mul else ''} needs <= {MAX_ROWS} rows, a [N, K] weight with "
@@ -183,6 +273,8 @@ def linear_gemv(
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     cfg.update(config or {})
     use_dot = bool(cfg["dot"])
+    if rope is not None and (use_dot or m != 1 or rope.lo % cfg["block_n"] or (rope.hi - rope.lo) % cfg["block_n"]):
+        raise ValueError(f"linear_gemv with rope: one row and column tiles that split no rotary pair; got {cfg}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     interpret = _interpret(x)
     pdl = _use_pdl(x)
@@ -198,12 +290,17 @@ def linear_gemv(
             weight.stride(0),
             y.stride(0),
             k,
+            rope.cos if rope is not None else y,
+            rope.sin if rope is not None else y,
+            rope.lo if rope is not None else 0,
+            rope.hi if rope is not None else 0,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m),
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
             PREFETCH=bool(cfg["prefetch"]),
             SILU_MUL=silu_mul,
             USE_DOT=use_dot,
+            ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
@@ -237,6 +334,24 @@ def silu_mul_linear_small(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.
         return linear_gemv(gate_up, weight, silu_mul=True)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, weight)
+
+
+@torch.library.custom_op("rlt::rope_linear_small", mutates_args=())
+def rope_linear_small(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lo: int, hi: int, head_dim: int
+) -> torch.Tensor:
+    """``F.linear(x, weight)`` with output columns ``[lo, hi)`` (whole heads of ``head_dim``: a fused
+    QKV's q and k) rotated by rotate-half rotary from ``cos``/``sin`` ``[T, head_dim // 2]``: the
+    rotation in the Triton GEMV's epilogue for one CUDA row, else ``F.linear`` then the reference."""
+    rope = RopeColumns(cos, sin, lo, hi, head_dim)
+    if _op_serves(x) and supports_gemv(x, weight) and supports_rope(x, weight, rope):
+        return linear_gemv(x, weight, rope=rope)
+    return rope_columns_reference(F.linear(x, weight), rope)
+
+
+@rope_linear_small.register_fake
+def _rope_linear_small_fake(x, weight, cos, sin, lo, hi, head_dim):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @silu_mul_linear_small.register_fake

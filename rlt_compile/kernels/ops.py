@@ -13,7 +13,6 @@ import torch
 
 from rlt_compile.kernels.reference import attention_reference
 
-
 # The generic op models call (eager: the torch reference) and the torch backend the swap pass can
 # select: the same implementation under two names, so the swap is visible in the graph.
 attention = torch.library.custom_op("rlt::attention", attention_reference, mutates_args=("kv_cache",))

@@ -1,4 +1,4 @@
-"""Plain-torch reference implementations of the paged KV write and paged attention.
+"""Plain-torch reference implementations: paged KV write, paged attention, rotary.
 
 These define the semantics every fast kernel is tested against (see ``metadata.py`` for the batch
 layout). They read the metadata on the host, so they are for eager CPU runs and tests, not graphs.
@@ -74,3 +74,15 @@ def attention_reference(
     """Write this step's K/V into the cache, then attend (the semantics of ``rlt::attention``)."""
     kv_write_reference(k, v, kv_cache, slot_mapping)
     return paged_attention_reference(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary (Llama/Ouro/Nanbeige) on x [T, H, D], computed in x's dtype like HF.
+
+    HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` written per half: the same products
+    and sums element by element, without concatenating cos/sin (Inductor materialises such a cat
+    of graph inputs as separate kernels, four per layer)."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + (-x2) * sin, x2 * cos + x1 * sin], dim=-1)

@@ -12,6 +12,7 @@ from torch import nn
 
 import rlt_compile.kernels  # noqa: F401  (registers torch.ops.rlt.attention)
 from rlt_compile.kernels.metadata import AttentionMetadata
+from rlt_compile.kernels.reference import apply_rope_half
 
 
 class RMSNorm(nn.Module):
@@ -36,18 +37,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     """fp32 cos/sin of ``positions * inv_freq``, each [T, head_dim // 2]."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     return freqs.cos(), freqs.sin()
-
-
-def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary (Llama/Ouro/Nanbeige) on x [T, H, D], computed in x's dtype like HF.
-
-    HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` written per half: the same products
-    and sums element by element, without concatenating cos/sin (Inductor materialises such a cat
-    of graph inputs as separate kernels, four per layer)."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos + (-x2) * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

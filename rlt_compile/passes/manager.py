@@ -98,6 +98,7 @@ def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.dot_precision import DotPrecisionPass
     from rlt_compile.passes.fuse_linears import FuseLinearsPass
     from rlt_compile.passes.fuse_rmsnorm import FuseRMSNormPass
+    from rlt_compile.passes.fuse_rope_gemv import FuseRopeGemvPass
     from rlt_compile.passes.gemv_swap import GemvSwapPass, GemvSwapSwiGLUPass
 
     return {
@@ -105,6 +106,7 @@ def pass_registry() -> dict[str, type]:
         "dot_precision": DotPrecisionPass,
         "fuse_linears": FuseLinearsPass,
         "fuse_rmsnorm": FuseRMSNormPass,
+        "fuse_rope_gemv": FuseRopeGemvPass,
         "gemv_swap": GemvSwapPass,
         "gemv_swap_swiglu": GemvSwapSwiGLUPass,
     }

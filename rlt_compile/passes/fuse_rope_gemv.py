@@ -1,0 +1,212 @@
+"""fuse_rope_gemv: rotate-half rotary of q and k folded into the decode GEMV that produces them.
+
+Pattern (after ``fuse_linears`` and ``gemv_swap``; ``models.layers.Attention`` with
+``apply_rope_half``, so Ouro and Nanbeige)::
+
+    y  = rlt.linear_small(x, W)                      # W: the fused q/k/v weight (or q_proj alone)
+    q  = narrow(y, -1, lo_q, n_q).view(T, H, D)      # or y.view(T, H, D) when y is q alone
+    c  = cos_in[:, None, :].to(q.dtype)              # s likewise from sin_in
+    x1, x2 = q.chunk(2, dim=-1)
+    q' = cat([x1 * c + (-x2) * s, x2 * c + x1 * s], dim=-1)
+
+for every such ``q'`` (and ``k'``) reading ``y``, the rotated column ranges forming one contiguous
+range ``[lo, hi)`` that no un-rotated reader of ``y`` overlaps, every intermediate used only inside
+its pattern. Rewrite: ``y = rlt.rope_linear_small(x, W, cos_in, sin_in, lo, hi, D)`` and each ``q'``
+replaced by its ``view`` of the (now rotated) columns.
+
+Why: Inductor computes the rotation as one or two small pointwise kernels per layer between the
+QKV GEMV and attention; at batch-1 decode each is a latency-bound launch (Ouro-1.4B: 2 of the ~10
+kernels per layer application). In the GEMV's epilogue the rotation is free: a program computes
+the output columns ``d`` and ``d + D/2`` of a head together (``kernels/gemv.py``). For one CUDA row
+the op runs that kernel; otherwise ``F.linear`` and the eager rotation, so every graph stays valid.
+Not in the default list: not yet measured on a GPU (``python -m rlt_compile.bench --passes
+attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from rlt_compile.passes.manager import PassContext, is_op, node_value
+
+_MUL = (operator.mul, torch.mul)
+_ADD = (operator.add, torch.add)
+_NEG = (operator.neg, torch.neg)
+_CAT = (torch.cat, torch.concat)
+_HALF_ROWS = (slice(None, None, None), None, slice(None, None, None))
+
+
+def _call(node, targets, nargs: int | None = None) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target in targets
+        and not node.kwargs
+        and (nargs is None or len(node.args) == nargs)
+    )
+
+
+def _method(node, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
+
+
+def _table(node, dtype):
+    """The placeholder ``P`` of ``P[:, None, :].to(dtype)``, else None."""
+    if not (_method(node, "to") and len(node.args) == 2 and node.args[1] == dtype and not node.kwargs):
+        return None
+    index = node.args[0]
+    if not (_call(index, (operator.getitem,), 2) and index.args[1] == _HALF_ROWS):
+        return None
+    table = index.args[0]
+    return table if isinstance(table, fx.Node) and table.op == "placeholder" else None
+
+
+def _dim_last(node: fx.Node, dim) -> bool:
+    value = node_value(node)
+    return dim == -1 or (value is not None and dim == value.dim() - 1)
+
+
+def match_rope(cat: fx.Node):
+    """``(src, cos_in, sin_in, nodes)`` when ``cat`` is the end of ``apply_rope_half(src, ...)``
+    (``nodes``: the pattern's own intermediates, cat included), else None."""
+    if not (isinstance(cat, fx.Node) and cat.op == "call_function" and cat.target in _CAT):
+        return None
+    if len(cat.args) not in (1, 2) or set(cat.kwargs) - {"dim"}:
+        return None
+    dim = cat.args[1] if len(cat.args) == 2 else cat.kwargs.get("dim", 0)
+    parts = cat.args[0]
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _dim_last(cat, dim)):
+        return None
+    a, b = parts
+    if not (_call(a, _ADD, 2) and _call(b, _ADD, 2)):
+        return None
+    mul_x1c, mul_nx2s = a.args
+    mul_x2c, mul_x1s = b.args
+    if not all(_call(m, _MUL, 2) for m in (mul_x1c, mul_nx2s, mul_x2c, mul_x1s)):
+        return None
+    x1, c = mul_x1c.args
+    neg, s = mul_nx2s.args
+    if not _call(neg, _NEG, 1):
+        return None
+    x2 = neg.args[0]
+    if mul_x2c.args != (x2, c) or mul_x1s.args != (x1, s):
+        return None
+    if not (_call(x1, (operator.getitem,), 2) and _call(x2, (operator.getitem,), 2)):
+        return None
+    chunk = x1.args[0]
+    if x2.args[0] is not chunk or (x1.args[1], x2.args[1]) != (0, 1) or not _method(chunk, "chunk"):
+        return None
+    if chunk.args[1:] != (2,) or chunk.kwargs.get("dim") != -1 or set(chunk.kwargs) != {"dim"}:
+        return None
+    src = chunk.args[0]
+    value = node_value(src)
+    if value is None or value.dim() != 3 or value.shape[-1] % 2:
+        return None
+    cos_in, sin_in = _table(c, value.dtype), _table(s, value.dtype)
+    if cos_in is None or sin_in is None:
+        return None
+    nodes = {cat, a, b, mul_x1c, mul_nx2s, mul_x2c, mul_x1s, neg, x1, x2, chunk}
+    inner = nodes - {cat}
+    if any(user not in nodes for n in inner for user in n.users):
+        return None
+    return src, cos_in, sin_in, nodes
+
+
+def _columns(view: fx.Node, linear: fx.Node):
+    """Column range ``(lo, hi)`` of ``linear``'s output that ``view`` (``[T, H, D]``) reads, or None."""
+    if not _method(view, "view") or len(view.users) != 1:
+        return None
+    src = view.args[0]
+    width = node_value(linear).shape[-1]
+    if src is linear:
+        return 0, width
+    if not _is_narrow(src):
+        return None
+    if src.args[0] is not linear or len(src.users) != 1 or src.args[1] not in (-1, 1) or len(src.args) != 4:
+        return None
+    start, length = src.args[2], src.args[3]
+    return (start, start + length) if isinstance(start, int) and isinstance(length, int) else None
+
+
+def _is_narrow(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.narrow
+
+
+def _reads(node: fx.Node, linear: fx.Node):
+    """Columns of ``linear`` that ``node`` (one of its users) reads."""
+    if _is_narrow(node) and node.args[0] is linear and len(node.args) == 4:
+        start, length = node.args[2], node.args[3]
+        if isinstance(start, int) and isinstance(length, int):
+            return start, start + length
+    return 0, node_value(linear).shape[-1]
+
+
+class FuseRopeGemvPass:
+    name = "fuse_rope_gemv"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> str | None:
+        import rlt_compile.kernels.gemv  # noqa: F401  (registers torch.ops.rlt.*linear_small)
+
+        linear_small = torch.ops.rlt.linear_small.default
+        groups: dict[fx.Node, list] = {}
+        for cat in list(gm.graph.nodes):
+            match = match_rope(cat)
+            if match is None:
+                continue
+            view, cos_in, sin_in, _ = match
+            src = view.args[0] if _method(view, "view") else None
+            linear = src.args[0] if _is_narrow(src) else src
+            if not (isinstance(linear, fx.Node) and is_op(linear, linear_small)):
+                continue
+            columns = _columns(view, linear)
+            if columns is None:
+                continue
+            groups.setdefault(linear, []).append((columns, cat, view, cos_in, sin_in))
+        fused = rotated = 0
+        for linear, found in groups.items():
+            rewrite = self._plan(linear, found)
+            if rewrite is None:
+                continue
+            lo, hi, head_dim = rewrite
+            _, _, _, cos_in, sin_in = found[0]
+            with gm.graph.inserting_before(linear):
+                new = gm.graph.call_function(
+                    torch.ops.rlt.rope_linear_small.default, (*linear.args, cos_in, sin_in, lo, hi, head_dim)
+                )
+            new.meta = dict(linear.meta)
+            linear.replace_all_uses_with(new)
+            gm.graph.erase_node(linear)
+            for _, cat, view, _, _ in found:
+                cat.replace_all_uses_with(view)
+            fused += 1
+            rotated += len(found)
+        if not fused:
+            return None
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return f"{rotated} rotaries folded into {fused} rlt.rope_linear_small (rotation in the GEMV's epilogue)"
+
+    @staticmethod
+    def _plan(linear: fx.Node, found: list):
+        """``(lo, hi, head_dim)`` when the rotated ranges are contiguous, share cos/sin and head size,
+        and no other reader of ``linear`` overlaps them; else None."""
+        tables = {(f[3], f[4]) for f in found}
+        dims = {node_value(f[2]).shape[-1] for f in found}
+        if len(tables) != 1 or len(dims) != 1:
+            return None
+        ranges = sorted(f[0] for f in found)
+        if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+            return None
+        lo, hi = ranges[0][0], ranges[-1][1]
+        views = {f[2] for f in found}
+        for user in linear.users:
+            if user in views or (_is_narrow(user) and set(user.users) <= views):
+                continue
+            start, end = _reads(user, linear)
+            if start < hi and lo < end:
+                return None
+        (head_dim,) = dims
+        return lo, hi, head_dim
