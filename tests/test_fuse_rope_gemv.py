@@ -132,7 +132,13 @@ def test_pass_needs_gemv_swap_first(pdl):
 
 @pytest.mark.parametrize("family", ["ouro", "nanbeige"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_pass_on_the_loop_step_gives_the_same_bits(pdl, family, tokens):
+@pytest.mark.parametrize("triton_attention", [False, True])
+def test_pass_on_the_loop_step_gives_the_same_bits(pdl, monkeypatch, family, tokens, triton_attention):
+    """With ``triton_attention`` the Triton attention op (interpreter) reads q and k as strided
+    views of the GEMV's output instead of the rotation's fresh tensors."""
+    head = ["attention_swap"] if triton_attention else []
+    if triton_attention:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model(family, torch.bfloat16)
     hidden, head_dim = model.config.hidden_size, model.rope_params()[0]
     cos, sin = _tables(list(range(2, 2 + tokens)), head_dim)
@@ -140,8 +146,9 @@ def test_pass_on_the_loop_step_gives_the_same_bits(pdl, family, tokens):
     planes = model.allocate_kv_cache(2, 16, max_steps=1)
     attn = build_metadata([tokens], [2], [[0, 1]], 16)
     captured = capture(model.loop_step, h, cos, sin, planes, attn)
-    _, _, expected = _run(captured, ["fuse_linears", "gemv_swap"])
-    fused, log, got = _run(captured, ["fuse_linears", "gemv_swap", "fuse_rope_gemv"])
+    _, _, expected = _run(captured, [*head, "fuse_linears", "gemv_swap"])
+    fused, log, got = _run(captured, [*head, "fuse_linears", "gemv_swap", "fuse_rope_gemv"])
+    assert ("rlt.attention_triton.default" in _ops(fused)) == triton_attention
     layers = model.config.num_hidden_layers
     assert log["fuse_rope_gemv"].startswith(f"{2 * layers} rotaries folded into {layers} ")
     assert torch.equal(got[0], expected[0])
