@@ -37,5 +37,10 @@ if [[ $what == pending ]]; then
   run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 --out "$OUT/ouro_default.md"
   run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 \
     --passes attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv --out "$OUT/ouro_rope.md"
+  # issue 10: H2D copies on the side stream vs the compute stream vs UVA (no copy)
+  for env in RLT_COPY_STREAM=1 RLT_COPY_STREAM=0 RLT_UVA=1; do
+    run env $env timeout 120 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32 \
+      --out "$OUT/engine_profile_${env}.md"
+  done
 fi
 exit 0

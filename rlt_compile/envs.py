@@ -12,6 +12,10 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              launch overlaps the tail of the previous one. auto: on when
                              ``Platform.supports_pdl`` (CUDA, capability >= 9, a Triton with the GDC
                              intrinsics); 0: off; 1: on, but still only where supported (warns otherwise).
+    RLT_COPY_STREAM          1 | 0 (default 1). Whether the engine's per-step H2D input copies run on a side
+                             stream (``InputBuffers.copy_stream``; the compute stream waits on an event) or,
+                             with 0, on the compute stream itself: the comparison the side stream is
+                             measured by (``bench --engine-profile``).
     RLT_ATTENTION_BACKEND    auto | flash | triton | torch (default auto). Overrides the attention backend
                              the Platform picks (``Platform.select_attention_backend``).
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
@@ -33,6 +37,7 @@ import os
 ENV_VARS: dict[str, tuple[str, str]] = {
     "RLT_UVA": ("auto", "auto|0|1: use UVA for pinned host buffers (auto = probe)"),
     "RLT_PDL": ("auto", "auto|0|1: Programmatic Dependent Launch on sm_90+ (auto = where supported)"),
+    "RLT_COPY_STREAM": ("1", "1|0: H2D input copies on a side stream (0 = on the compute stream)"),
     "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
     "TRITON_INTERPRET": ("0", "1 = run Triton kernels in the CPU interpreter"),
 }
@@ -72,6 +77,15 @@ def rlt_pdl() -> str:
     if value not in PDL_VALUES:
         raise ValueError(f"RLT_PDL must be one of {PDL_VALUES}, got {os.environ.get('RLT_PDL')!r}")
     return value
+
+
+def rlt_copy_stream() -> bool:
+    """``RLT_COPY_STREAM``: True unless "0" (also accepts true/false/on/off/yes/no)."""
+    value = get("RLT_COPY_STREAM")
+    value = _BOOL_ALIASES.get(value, value)
+    if value not in ("0", "1"):
+        raise ValueError(f"RLT_COPY_STREAM must be 0 or 1, got {os.environ.get('RLT_COPY_STREAM')!r}")
+    return value == "1"
 
 
 def rlt_attention_backend() -> str:

@@ -150,10 +150,13 @@ no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA
 
 @pytest.mark.gpu
 @no_cuda
-def test_cuda_copy_path_side_stream_and_reuse_hazard():
+@pytest.mark.parametrize("side_stream", ["1", "0"])
+def test_cuda_copy_path_side_stream_and_reuse_hazard(monkeypatch, side_stream):
+    """Copies on the side stream (default) or, with ``RLT_COPY_STREAM=0``, on the compute stream."""
+    monkeypatch.setenv("RLT_COPY_STREAM", side_stream)
     rng = random.Random(3)
     buffers = InputBuffers("cuda", max_tokens=256, max_seqs=16, max_blocks_per_seq=32, uva=False)
-    assert buffers.copy_stream is not None and not buffers.uva
+    assert (buffers.copy_stream is not None) == (side_stream == "1") and not buffers.uva
     assert buffers.host64[0].is_pinned() and buffers.dev64[0].is_cuda
     kept = []
     for _ in range(12):

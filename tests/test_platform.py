@@ -227,6 +227,17 @@ def test_uva_env_modes(monkeypatch):
         uva_enabled(rocm)
 
 
+def test_copy_stream_env(monkeypatch):
+    monkeypatch.delenv("RLT_COPY_STREAM", raising=False)
+    assert envs.rlt_copy_stream()
+    for value, on in (("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("RLT_COPY_STREAM", value)
+        assert envs.rlt_copy_stream() is on
+    monkeypatch.setenv("RLT_COPY_STREAM", "2")
+    with pytest.raises(ValueError, match="RLT_COPY_STREAM"):
+        envs.rlt_copy_stream()
+
+
 def test_uva_probe_fails_cleanly_without_a_device():
     assert not platform.probe_uva(Platform.mock("cpu"))
     assert not platform.probe_uva(Platform.mock("rocm"))  # not this machine

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlt_compile import envs
 from rlt_compile.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,8 @@ class InputBuffers:
             else:
                 self.uva_reason = problem
                 log.warning("UVA in-place metadata disabled (%s); using pinned buffers + H2D copies", problem)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda and not self.uva else None
+        side = self.is_cuda and not self.uva and envs.rlt_copy_stream()
+        self.copy_stream = torch.cuda.Stream(self.device) if side else None  # None: copy on the compute stream
         self._copy_done = [None] * num_sets  # events: the set's last H2D copy finished
         self._released = [None] * num_sets  # events: the compute stream is done with the set's last step
         self.steps = 0
@@ -288,8 +290,8 @@ class InputBuffers:
             self.copies += 2
             return
         compute = torch.cuda.current_stream(self.device)
-        stream = self.copy_stream
-        if self._released[k] is not None:
+        stream = self.copy_stream or compute
+        if self._released[k] is not None and stream is not compute:
             stream.wait_event(self._released[k])  # the device buffers' previous step has run
         with torch.cuda.stream(stream):
             self.dev64[k][:n64].copy_(self.host64[k][:n64], non_blocking=True)
