@@ -56,6 +56,21 @@ def test_kernel_rotates_the_range_and_leaves_the_rest(interpret, dtype, block_n,
     assert not torch.allclose(y[:, ~outside].float(), plain[:, ~outside].float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize(("lo", "hi"), [(0, 96), (64, 96), (32, 64)])
+def test_rotary_kernel_for_many_rows_matches_the_reference(interpret, dtype, rows, lo, hi):
+    gen = torch.Generator().manual_seed(rows * 100 + lo + hi)
+    y = torch.randn(rows, 128, generator=gen).to(dtype)
+    cos, sin = _tables(list(range(9, 9 + rows)), 16)
+    rope = gemv.RopeColumns(cos, sin, lo, hi, 16)
+    want = gemv.rope_columns_reference(y, rope)
+    got = gemv.rope_columns_triton(y.clone(), rope)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(got[:, :lo], y[:, :lo]) and torch.equal(got[:, hi:], y[:, hi:])
+
+
 def test_kernel_rejects_what_it_cannot_rotate(interpret):
     w = torch.randn(64, 8)
     cos, sin = _tables([0], 16)
@@ -164,9 +179,13 @@ def test_gpu_op_matches_linear_and_rotation(q_heads, kv_heads, head_dim, k):
     n = (q_heads + 2 * kv_heads) * head_dim
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
-    cos, sin = _tables([1234], head_dim, "cuda")
     hi = (q_heads + kv_heads) * head_dim
-    y = torch.ops.rlt.rope_linear_small(x, w, cos, sin, 0, hi, head_dim)
-    ref = gemv.rope_columns_reference((x.float() @ w.float().T).bfloat16(), gemv.RopeColumns(cos, sin, 0, hi, head_dim))
-    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    assert torch.equal(y[:, hi:], torch.ops.rlt.linear_small(x, w)[:, hi:])
+    for rows in (1, 3):  # the GEMV's epilogue; cuBLAS + the rotary kernel
+        cos, sin = _tables(list(range(1234, 1234 + rows)), head_dim, "cuda")
+        xs = x.expand(rows, k).contiguous()
+        y = torch.ops.rlt.rope_linear_small(xs, w, cos, sin, 0, hi, head_dim)
+        ref = gemv.rope_columns_reference(
+            (xs.float() @ w.float().T).bfloat16(), gemv.RopeColumns(cos, sin, 0, hi, head_dim)
+        )
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(y[:, hi:], torch.ops.rlt.linear_small(xs, w)[:, hi:])

@@ -35,6 +35,7 @@ KERNELS = {
     "_split_reduce_kernel",
     "_fused_rmsnorm_kernel",
     "_gemv_kernel",
+    "_rope_columns_kernel",
 }
 # Kernels allowed to read some inputs before the prologue: inputs no earlier kernel writes (the
 # decode GEMV's weights), so reading them early overlaps the previous kernel's tail.

@@ -46,6 +46,7 @@ __all__ = [
     "linear_gemv",
     "linear_small",
     "rope_columns_reference",
+    "rope_columns_triton",
     "rope_linear_small",
     "silu_mul_linear_small",
     "supports_gemv",
@@ -171,6 +172,39 @@ def _activations(x_rows, kk, mask, up_offset, SILU_MUL: tl.constexpr):
     return x
 
 
+def _rope_columns_kernel(
+    y_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_y,
+    stride_c,
+    lo,
+    n_pairs,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """In place on ``y [rows, N]``: the rotate-half rotary of columns ``[lo, lo + 2 * n_pairs)``
+    (heads of ``2 * HALF``), rounded like the GEMV's epilogue (``_rotate_pairs``). Grid: rows x
+    pair blocks. The op's path for more rows than the GEMV serves."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = pair < n_pairs
+    j = pair % HALF
+    cols = lo + (pair // HALF) * (2 * HALF) + j
+    y_row = y_ptr + row * stride_y
+    a = tl.load(y_row + cols, mask=mask, other=0.0)
+    b = tl.load(y_row + cols + HALF, mask=mask, other=0.0)
+    cos = tl.load(cos_ptr + row * stride_c + j, mask=mask, other=0.0).to(a.dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + row * stride_c + j, mask=mask, other=0.0).to(a.dtype).to(tl.float32)
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    tl.store(y_row + cols, (af * cos - bf * sin).to(a.dtype), mask=mask)
+    tl.store(y_row + cols + HALF, (bf * cos + af * sin).to(a.dtype), mask=mask)
+
+
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
     """Tiles from shapes only (CUDA-graph safe). Up to ``BROADCAST_ROWS`` rows: no ``tl.dot``, 2
     output columns per program and a 1024-long run of each weight row per load at one row (the best
@@ -225,6 +259,34 @@ def rope_columns_reference(y: torch.Tensor, rope: RopeColumns) -> torch.Tensor:
     rotated = apply_rope_half(region, rope.cos, rope.sin).reshape(rows.shape[0], -1)
     out = torch.cat([rows[:, : rope.lo], rotated, rows[:, rope.hi :]], dim=-1)
     return out.reshape(y.shape)
+
+
+def rope_columns_triton(y: torch.Tensor, rope: RopeColumns) -> torch.Tensor:
+    """``rope_columns_reference`` as one Triton launch, in place on ``y`` ``[rows, N]`` (contiguous
+    rows; ``cos``/``sin`` ``[rows, head_dim // 2]``); returns ``y``."""
+    rows = y.shape[0]
+    half = rope.head_dim // 2
+    n_pairs = (rope.hi - rope.lo) // 2
+    block = min(1024, triton.next_power_of_2(max(n_pairs, 1)))
+    interpret = _interpret(y)
+    pdl = _use_pdl(y)
+    cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+    with _interpreter_scope(interpret):
+        _kernel(_rope_columns_kernel, interpret)[(rows, triton.cdiv(n_pairs, block))](
+            y,
+            cos,
+            sin,
+            y.stride(0),
+            cos.stride(0),
+            rope.lo,
+            n_pairs,
+            HALF=half,
+            BLOCK=block,
+            USE_PDL=pdl,
+            num_warps=4,
+            **_pdl_launch_options(pdl),
+        )
+    return y
 
 
 def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
@@ -342,11 +404,17 @@ def rope_linear_small(
 ) -> torch.Tensor:
     """``F.linear(x, weight)`` with output columns ``[lo, hi)`` (whole heads of ``head_dim``: a fused
     QKV's q and k) rotated by rotate-half rotary from ``cos``/``sin`` ``[T, head_dim // 2]``: the
-    rotation in the Triton GEMV's epilogue for one CUDA row, else ``F.linear`` then the reference."""
+    rotation in the Triton GEMV's epilogue for one CUDA row; more CUDA rows: ``F.linear`` then one
+    rotary kernel in place (``rope_columns_triton``); elsewhere ``F.linear`` then the reference."""
     rope = RopeColumns(cos, sin, lo, hi, head_dim)
     if _op_serves(x) and supports_gemv(x, weight) and supports_rope(x, weight, rope):
         return linear_gemv(x, weight, rope=rope)
-    return rope_columns_reference(F.linear(x, weight), rope)
+    y = F.linear(x, weight)
+    rows = y.reshape(-1, y.shape[-1])
+    if y.is_cuda and rows.is_contiguous() and cos.shape == sin.shape == (rows.shape[0], head_dim // 2):
+        rope_columns_triton(rows, rope)  # one kernel, not the eager rotation's chain of ops
+        return y
+    return rope_columns_reference(y, rope)
 
 
 @rope_linear_small.register_fake

@@ -18,7 +18,8 @@ Why: Inductor computes the rotation as one or two small pointwise kernels per la
 QKV GEMV and attention; at batch-1 decode each is a latency-bound launch (Ouro-1.4B: 2 of the ~10
 kernels per layer application). In the GEMV's epilogue the rotation is free: a program computes
 the output columns ``d`` and ``d + D/2`` of a head together (``kernels/gemv.py``). For one CUDA row
-the op runs that kernel; otherwise ``F.linear`` and the eager rotation, so every graph stays valid.
+the op runs that kernel; for more CUDA rows (batch buckets, prefill) cuBLAS and one rotary kernel in
+place, the kernel count Inductor had; on the CPU ``F.linear`` and the eager rotation.
 Not in the default list: not yet measured on a GPU (``python -m rlt_compile.bench --passes
 attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv``).
 """
