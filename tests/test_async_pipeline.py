@@ -11,7 +11,7 @@ from conftest import FAMILIES, family_options
 
 from rlt_compile import load_model
 from rlt_compile.models.async_pipeline import AsyncTokenPipeline
-from rlt_compile.models.runner import greedy_generate
+from rlt_compile.models.runner import forward_sequences, greedy_generate
 from rlt_compile.tiny import write_tiny_checkpoint
 
 PROMPTS = [[(i * 11 + j * 5) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 19, 33))]
@@ -126,6 +126,61 @@ def test_wrong_drafts_are_rejected_and_restart(tiny_dirs, family):
     assert stats["passes"] - (n - 1) - (steps - 1) in ((steps - 1) * rejected, (steps - 1) * (rejected - 1))
 
 
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_sampled_pipeline_accepts_every_draft_that_equals_the_target(tiny_dirs, family):
+    """Forced agreement: the 1-step distribution is the full-depth one, so every draft is accepted
+    (one token per pass once full), whatever was drawn."""
+    model = forced_agreement(load_model(tiny_dirs[family], load_tokenizer=False))
+    n, steps = 12, model.default_steps
+    torch.manual_seed(0)
+    got, stats = pipeline(model, n, temperature=0.8).generate(PROMPTS[1], n)
+    assert len(got) == n and all(0 <= t < model.vocab_size for t in got)
+    assert stats["accepted"] == n - 1 and stats["passes"] == (n - 1) + steps - 1
+
+
+def test_sampled_pipeline_tokens_follow_the_full_depth_distribution(ouro):
+    """Random weights: most 1-step drafts differ from the full-depth distribution, so tokens come
+    from accepted drafts and residual draws alike. Over many runs the counts of the second token
+    match the sum of its exact conditional distributions ``p(. | prompt, first token)`` (computed at
+    full depth without the pipeline) within 5 standard deviations: every token expected 5 times or
+    more, and the rest pooled."""
+    prompt, temperature, runs = PROMPTS[0], 0.25, 600
+    pipe = pipeline(ouro, 2, temperature=temperature)
+    torch.manual_seed(1)
+    pairs, accepted = [], 0
+    for _ in range(runs):
+        tokens, stats = pipe.generate(prompt, 2)
+        pairs.append(tuple(tokens))
+        accepted += stats["accepted"]
+    assert 0.05 * runs < accepted < 0.95 * runs  # both branches: accepted drafts and residual draws
+    firsts = sorted({a for a, _ in pairs})
+    logits, _ = forward_sequences(ouro, [prompt + [a] for a in firsts])
+    conditional = {a: torch.softmax(row[-1].double() / temperature, -1) for a, row in zip(firsts, logits)}
+    expected = sum(conditional[a] for a, _ in pairs)
+    variance = sum(conditional[a] * (1 - conditional[a]) for a, _ in pairs)
+    observed = torch.zeros_like(expected)
+    for _, b in pairs:
+        observed[b] += 1
+    common = expected >= 5  # rare tokens pooled into one cell (a normal approximation needs counts)
+    cells = [(observed[common], expected[common], variance[common])]
+    cells.append((observed[~common].sum()[None], expected[~common].sum()[None], variance[~common].sum()[None]))
+    z = torch.cat([(o - e).abs() / v.sqrt() for o, e, v in cells])
+    assert z.max() < 5, (z.max(), observed.topk(5), expected.topk(5))
+    assert expected.max() > 60  # the test has power: some tokens are likely
+    # the first token comes from the prefill's distribution
+    first = torch.softmax(forward_sequences(ouro, [prompt])[0][0][-1].double() / temperature, -1)
+    counts = torch.bincount(torch.tensor([a for a, _ in pairs]), minlength=first.numel()).double()
+    likely = runs * first >= 5
+    assert ((counts - runs * first)[likely].abs() / (runs * first * (1 - first))[likely].sqrt()).max() < 5
+
+
+def test_sampled_pipeline_rejects_bad_options(ouro):
+    with pytest.raises(ValueError, match="temperature"):
+        pipeline(ouro, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="draft_transform"):
+        pipeline(ouro, 4, temperature=1.0, draft_transform=lambda d, i: d)
+
+
 def test_generate_can_run_twice_and_checks_sizes(ouro):
     n = 6
     runner = pipeline(ouro, n)
@@ -200,3 +255,28 @@ def test_cuda_graph_pipeline_equals_plain_decoding(tiny_dirs, family, dtype):
     if dtype == torch.float32:
         assert got == want
     assert stats["verified"] == n - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_cuda_graph_sampled_pipeline(tiny_dirs, family):
+    """Sampled inside the captured pass (the draws advance the default CUDA generator's graph-safe
+    state): a forced-agreement model accepts every draft; after the capture, runs with one seed
+    repeat the tokens, another seed changes them."""
+    from rlt_compile.compiler import compile_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = forced_agreement(load_model(tiny_dirs[family], device="cuda", load_tokenizer=False))
+    compile_model(model, "cuda")
+    n, steps = 24, model.default_steps
+    runner = pipeline(model, n, temperature=1.0)
+    runner.generate(PROMPTS[1], n)  # captures (its warm-up passes draw from the generator too)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        tokens, stats = runner.generate(PROMPTS[1], n)
+        assert stats["accepted"] == n - 1 and stats["passes"] == (n - 1) + steps - 1
+        runs.append(tokens)
+    assert runner.graph is not None
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -120,8 +120,19 @@ class _HuginnHooks:
         return self.model.coda(states, cos[rows], sin[rows], self.coda_caches, meta(), None)[0]
 
 
+def _sample(probs: torch.Tensor) -> torch.Tensor:
+    """One index drawn from ``probs`` (last dim) on the device, no host sync (exponential race)."""
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(), dim=-1)
+
+
 class AsyncTokenPipeline:
-    """Greedy batch-1 decode of one sequence; ``generate`` returns (tokens, stats dict).
+    """Batch-1 decode of one sequence, greedy or sampled; ``generate`` returns (tokens, stats dict).
+
+    ``temperature > 0`` samples instead (each pass's draws from the default generator, seed it with
+    ``torch.manual_seed``): the draft is drawn from the 1-step distribution ``q``, and a finishing
+    row accepts its child's draft ``x`` with probability ``min(1, p(x) / q(x))`` (``p``: its
+    full-depth distribution), else emits a token drawn from ``max(p - q, 0)`` normalised and
+    restarts from it: standard speculative sampling, so every token follows ``p`` exactly.
 
     ``kv_caches``: a step-folded cache (``allocate_kv_cache(..., fold_steps=True)``) whose blocks
     ``table`` hold the sequence. ``draft_transform(draft, pass_index) -> draft`` (tensors) may
@@ -142,7 +153,13 @@ class AsyncTokenPipeline:
         sync_every: int = 16,
         num_steps: int | None = None,
         init_scale: float | None = None,
+        temperature: float = 0.0,
     ):
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if temperature > 0 and draft_transform is not None:
+            raise ValueError("draft_transform is for greedy pipelines (a sampled draft keeps its distribution)")
+        self.temperature = float(temperature)
         self.capacity = len(table) * block_size
         if model.family == "huginn":
             self.hooks = _HuginnHooks(model, kv_caches, num_steps, init_scale, self.capacity)
@@ -176,6 +193,9 @@ class AsyncTokenPipeline:
         self.passes = torch.zeros((), dtype=torch.long, device=dev)
         self.count = torch.zeros((), dtype=torch.long, device=dev)  # tokens emitted
         self.accepted = torch.zeros((), dtype=torch.long, device=dev)
+        # sampled: the draft distribution of the token of the row at step s (fp32, vocabulary wide)
+        vocab = model.vocab_size
+        self.draft_probs = torch.zeros(T, vocab, device=dev) if self.temperature > 0 else None
         self.max_new_tokens = max_new_tokens
         # tokens after the prefill's, and a last slot that absorbs the writes of passes emitting nothing
         self.out = torch.zeros(max_new_tokens + 1, dtype=torch.long, device=dev)
@@ -218,11 +238,15 @@ class AsyncTokenPipeline:
             self.carry.copy_(carry)
         rows = self.head_rows
         head_meta = lambda: self._metadata(positions[rows], valid[rows], one_plane, 1 + full.long())  # noqa: E731
-        picked = hooks.logits(out[rows], rows, cos, sin, head_meta).argmax(-1)  # row 0's draft, row T-1's final
-        draft, final = picked[0], picked[1]
-        if self.draft_transform is not None:
-            draft = self.draft_transform(draft, self.passes)
-        accept = full & (final == self.tokens[T - 2])
+        logits = hooks.logits(out[rows], rows, cos, sin, head_meta)  # row 0's draft, row T-1's final
+        if self.draft_probs is not None:
+            draft, final, accept = self._speculative_sample(logits, full)
+        else:
+            picked = logits.argmax(-1)
+            draft, final = picked[0], picked[1]
+            if self.draft_transform is not None:
+                draft = self.draft_transform(draft, self.passes)
+            accept = full & (final == self.tokens[T - 2])
         restart = full & ~accept
         # the final token of a full pipeline is emitted (the slot past the end absorbs the others)
         slot = torch.where(full, self.count, self.out.shape[0] - 1)
@@ -235,6 +259,23 @@ class AsyncTokenPipeline:
         self.fill.copy_(torch.where(restart, torch.ones_like(self.fill), torch.clamp(self.fill + 1, max=T)))
         self.passes.add_(1)
 
+    def _speculative_sample(self, logits: torch.Tensor, full: torch.Tensor):
+        """(draft, final, accept) of a sampled pass; ``final`` is the token a full pipeline emits:
+        the child's draft when accepted, else a draw from the residual ``max(p - q, 0)``."""
+        T = self.steps
+        q, p = torch.softmax(logits / self.temperature, dim=-1).unbind(0)
+        draft = _sample(q)
+        x = self.tokens[T - 2]  # the child's token: drafted from the distribution kept for its row
+        q_child = self.draft_probs[T - 2]
+        px, qx = p.gather(0, x.view(1))[0], q_child.gather(0, x.view(1))[0]
+        accept = full & (torch.rand((), device=p.device) * qx <= px)
+        residual = (p - q_child).clamp(min=0.0)
+        mass = residual.sum()
+        residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
+        final = torch.where(accept, x, _sample(residual))
+        self.draft_probs.copy_(torch.cat([q[None], self.draft_probs[: T - 1]]))
+        return draft, final, accept
+
     def _capture(self) -> None:
         from rlt_compile.graphs import capture_graph
 
@@ -245,6 +286,7 @@ class AsyncTokenPipeline:
 
     def _state(self) -> list[torch.Tensor]:
         carry = [] if self.carry is None else [self.carry]
+        carry += [] if self.draft_probs is None else [self.draft_probs]
         return [
             self.hidden,
             *carry,
@@ -276,7 +318,10 @@ class AsyncTokenPipeline:
         ids = torch.tensor(prompt, device=dev)
         options = self.hooks.prefill_options(len(prompt), max_new_tokens)
         logits = self.model(ids, torch.arange(len(prompt), device=dev), self.kv_caches, meta, last, **options)
-        first = logits[0].argmax()
+        if self.temperature > 0:
+            first = _sample(torch.softmax(logits[0] / self.temperature, dim=-1))
+        else:
+            first = logits[0].argmax()
         for t in self._state():
             t.zero_()
         self.tokens[0] = first
