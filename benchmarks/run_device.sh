@@ -29,8 +29,9 @@ if [[ $what == more || $what == all ]]; then
   run python3 benchmarks/serve_bench.py --engine-baseline --out "$OUT/serve.md"
 fi
 if [[ $what == pending ]]; then
-  run timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_fuse_rope_gemv.py \
-    tests/test_pdl.py tests/test_triton_kernels.py tests/test_graphs_gpu.py
+  run timeout 180 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_fuse_rope_gemv.py \
+    tests/test_pdl.py tests/test_triton_kernels.py tests/test_graphs_gpu.py tests/test_async_pipeline.py \
+    tests/test_engine_wavefront.py tests/test_input_buffers.py
   # the dot-free GEMV at 2-4 rows vs the tl.dot tile vs cuBLAS: sets gemv.OP_MAX_ROWS
   run timeout 60 python3 benchmarks/pipeline_pass_profile.py --model nanbeige4.2-3b --linears-only --rows 1,2,3,4,8
   # the rotary in the QKV GEMV's epilogue: keep fuse_rope_gemv (make it default) only if faster
