@@ -27,6 +27,7 @@ attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv`
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -116,33 +117,39 @@ def match_rope(cat: fx.Node):
     return src, cos_in, sin_in, nodes
 
 
-def _columns(view: fx.Node, linear: fx.Node):
-    """Column range ``(lo, hi)`` of ``linear``'s output that ``view`` (``[T, H, D]``) reads, or None."""
-    if not _method(view, "view") or len(view.users) != 1:
-        return None
-    src = view.args[0]
-    width = node_value(linear).shape[-1]
-    if src is linear:
-        return 0, width
-    if not _is_narrow(src):
-        return None
-    if src.args[0] is not linear or len(src.users) != 1 or src.args[1] not in (-1, 1) or len(src.args) != 4:
-        return None
-    start, length = src.args[2], src.args[3]
-    return (start, start + length) if isinstance(start, int) and isinstance(length, int) else None
-
-
 def _is_narrow(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.narrow
 
 
-def _reads(node: fx.Node, linear: fx.Node):
-    """Columns of ``linear`` that ``node`` (one of its users) reads."""
-    if _is_narrow(node) and node.args[0] is linear and len(node.args) == 4:
-        start, length = node.args[2], node.args[3]
-        if isinstance(start, int) and isinstance(length, int):
-            return start, start + length
-    return 0, node_value(linear).shape[-1]
+def _narrow_range(node: fx.Node, linear: fx.Node):
+    """``(start, end)`` when ``node`` is ``narrow(linear, -1, start, length)`` with constant bounds."""
+    if not (_is_narrow(node) and node.args[0] is linear and len(node.args) == 4 and node.args[1] in (-1, 1)):
+        return None
+    start, length = node.args[2], node.args[3]
+    return (start, start + length) if isinstance(start, int) and isinstance(length, int) else None
+
+
+def _rotated_source(view: fx.Node):
+    """``(linear, (lo, hi))``: the ``rlt.linear_small`` node whose output columns ``[lo, hi)``
+    ``view`` (``[T, H, D]``, read only by the rotation) reshapes, directly or through one narrow."""
+    if not _method(view, "view") or len(view.users) != 1:
+        return None
+    src = view.args[0]
+    linear = src.args[0] if _is_narrow(src) else src
+    if not (isinstance(linear, fx.Node) and is_op(linear, torch.ops.rlt.linear_small.default)):
+        return None
+    if src is linear:
+        return linear, (0, node_value(linear).shape[-1])
+    columns = _narrow_range(src, linear)
+    return (linear, columns) if columns is not None and len(src.users) == 1 else None
+
+
+class _Rotary(NamedTuple):
+    columns: tuple[int, int]
+    cat: fx.Node  # the rotation's output
+    view: fx.Node  # its input: a [T, H, D] view of the GEMV's columns
+    cos_in: fx.Node
+    sin_in: fx.Node
 
 
 class FuseRopeGemvPass:
@@ -151,37 +158,30 @@ class FuseRopeGemvPass:
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> str | None:
         import rlt_compile.kernels.gemv  # noqa: F401  (registers torch.ops.rlt.*linear_small)
 
-        linear_small = torch.ops.rlt.linear_small.default
-        groups: dict[fx.Node, list] = {}
+        groups: dict[fx.Node, list[_Rotary]] = {}
         for cat in list(gm.graph.nodes):
             match = match_rope(cat)
-            if match is None:
-                continue
-            view, cos_in, sin_in, _ = match
-            src = view.args[0] if _method(view, "view") else None
-            linear = src.args[0] if _is_narrow(src) else src
-            if not (isinstance(linear, fx.Node) and is_op(linear, linear_small)):
-                continue
-            columns = _columns(view, linear)
-            if columns is None:
-                continue
-            groups.setdefault(linear, []).append((columns, cat, view, cos_in, sin_in))
+            source = match and _rotated_source(match[0])
+            if source:
+                view, cos_in, sin_in, _ = match
+                linear, columns = source
+                groups.setdefault(linear, []).append(_Rotary(columns, cat, view, cos_in, sin_in))
         fused = rotated = 0
         for linear, found in groups.items():
             rewrite = self._plan(linear, found)
             if rewrite is None:
                 continue
             lo, hi, head_dim = rewrite
-            _, _, _, cos_in, sin_in = found[0]
+            tables = (found[0].cos_in, found[0].sin_in)
             with gm.graph.inserting_before(linear):
                 new = gm.graph.call_function(
-                    torch.ops.rlt.rope_linear_small.default, (*linear.args, cos_in, sin_in, lo, hi, head_dim)
+                    torch.ops.rlt.rope_linear_small.default, (*linear.args, *tables, lo, hi, head_dim)
                 )
             new.meta = dict(linear.meta)
             linear.replace_all_uses_with(new)
             gm.graph.erase_node(linear)
-            for _, cat, view, _, _ in found:
-                cat.replace_all_uses_with(view)
+            for rotary in found:
+                rotary.cat.replace_all_uses_with(rotary.view)
             fused += 1
             rotated += len(found)
         if not fused:
@@ -191,22 +191,22 @@ class FuseRopeGemvPass:
         return f"{rotated} rotaries folded into {fused} rlt.rope_linear_small (rotation in the GEMV's epilogue)"
 
     @staticmethod
-    def _plan(linear: fx.Node, found: list):
+    def _plan(linear: fx.Node, found: list[_Rotary]):
         """``(lo, hi, head_dim)`` when the rotated ranges are contiguous, share cos/sin and head size,
         and no other reader of ``linear`` overlaps them; else None."""
-        tables = {(f[3], f[4]) for f in found}
-        dims = {node_value(f[2]).shape[-1] for f in found}
+        tables = {(r.cos_in, r.sin_in) for r in found}
+        dims = {node_value(r.view).shape[-1] for r in found}
         if len(tables) != 1 or len(dims) != 1:
             return None
-        ranges = sorted(f[0] for f in found)
+        ranges = sorted(r.columns for r in found)
         if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
             return None
         lo, hi = ranges[0][0], ranges[-1][1]
-        views = {f[2] for f in found}
+        views = {r.view for r in found}
         for user in linear.users:
             if user in views or (_is_narrow(user) and set(user.users) <= views):
                 continue
-            start, end = _reads(user, linear)
+            start, end = _narrow_range(user, linear) or (0, node_value(linear).shape[-1])
             if start < hi and lo < end:
                 return None
         (head_dim,) = dims
