@@ -139,10 +139,18 @@ def _rotate_pairs(y, cols, cos_ptr, sin_ptr, ROPE_HALF: tl.constexpr, BLOCK_N: t
     lo, hi = tl.split(tl.reshape(y.to(tl.float32), [BLOCK_N // 2, 2]))
     # a pair's frequency index; outside [lo, hi) any in-bounds index (the result is discarded)
     j, _ = tl.split(tl.reshape(cols % ROPE_HALF, [BLOCK_N // 2, 2]))
-    cos = tl.load(cos_ptr + j).to(y.dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + j).to(y.dtype).to(tl.float32)
-    rotated = tl.join(lo * cos - hi * sin, hi * cos + lo * sin)
-    return tl.reshape(rotated, [BLOCK_N]).to(y.dtype)
+    a, b = _rotate(lo, hi, tl.load(cos_ptr + j), tl.load(sin_ptr + j), y.dtype)
+    return tl.reshape(tl.join(a, b), [BLOCK_N]).to(y.dtype)
+
+
+@triton.jit
+def _rotate(a, b, cos, sin, dtype: tl.constexpr):
+    """``(a cos - b sin, b cos + a sin)`` in fp32, cos/sin first rounded to ``dtype`` (the rounding of
+    the models' ``apply_rope_half``, whose tables are cast to the activations' dtype)."""
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    a, b = a.to(tl.float32), b.to(tl.float32)
+    return a * cos - b * sin, b * cos + a * sin
 
 
 @triton.jit
@@ -198,11 +206,11 @@ def _rope_columns_kernel(
     y_row = y_ptr + row * stride_y
     a = tl.load(y_row + cols, mask=mask, other=0.0)
     b = tl.load(y_row + cols + HALF, mask=mask, other=0.0)
-    cos = tl.load(cos_ptr + row * stride_c + j, mask=mask, other=0.0).to(a.dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + row * stride_c + j, mask=mask, other=0.0).to(a.dtype).to(tl.float32)
-    af, bf = a.to(tl.float32), b.to(tl.float32)
-    tl.store(y_row + cols, (af * cos - bf * sin).to(a.dtype), mask=mask)
-    tl.store(y_row + cols + HALF, (bf * cos + af * sin).to(a.dtype), mask=mask)
+    cos = tl.load(cos_ptr + row * stride_c + j, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + row * stride_c + j, mask=mask, other=0.0)
+    ra, rb = _rotate(a, b, cos, sin, a.dtype)
+    tl.store(y_row + cols, ra.to(a.dtype), mask=mask)
+    tl.store(y_row + cols + HALF, rb.to(a.dtype), mask=mask)
 
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
@@ -335,7 +343,7 @@ def linear_gemv(
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     cfg.update(config or {})
     use_dot = bool(cfg["dot"])
-    if rope is not None and (use_dot or m != 1 or rope.lo % cfg["block_n"] or (rope.hi - rope.lo) % cfg["block_n"]):
+    if rope is not None and (use_dot or rope.lo % cfg["block_n"] or (rope.hi - rope.lo) % cfg["block_n"]):
         raise ValueError(f"linear_gemv with rope: one row and column tiles that split no rotary pair; got {cfg}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     interpret = _interpret(x)
