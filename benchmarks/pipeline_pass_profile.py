@@ -61,7 +61,7 @@ def linear_table(model, rows: list[int], dtype: torch.dtype) -> None:
     dev = torch.device("cuda")
     variants = {
         "gemv": lambda x, w: gemv.linear_gemv(x, w),  # the default tiles for these rows
-        "gemv-dot": lambda x, w: gemv.linear_gemv(x, w, {**gemv.gemv_config(16, *w.shape, w.dtype, w.device)}),
+        "gemv-dot": lambda x, w: gemv.linear_gemv(x, w, gemv.gemv_config(16, *w.shape, w.dtype, w.device)),
         "F.linear": F.linear,
     }
     print(f"1. decode linears, {dtype}, 20 calls per CUDA graph (us per call, weight GB/s; / cuBLAS):", flush=True)

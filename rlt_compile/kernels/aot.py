@@ -339,9 +339,9 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
 
 
 def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
-    """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one and two rows (no ``tl.dot``)
-    and 8 rows, plain and with the SwiGLU gate folded in; one row with the rotary epilogue, and the rotary kernel for more rows. Prefill
-    linears run ``F.linear``."""
+    """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one and two rows (no
+    ``tl.dot``) and 8 rows, plain and with the SwiGLU gate folded in; one row with the rotary
+    epilogue, and the rotary kernel for more rows. Prefill linears run ``F.linear``."""
     if mode == "prefill":
         return
     from rlt_compile.kernels import gemv
