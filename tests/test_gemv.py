@@ -226,11 +226,12 @@ def test_ops_send_more_rows_than_op_max_rows_to_cublas(rows):
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16, generator=gen) * 512**-0.5
+    gate_up = torch.cat([x, x.flip(-1)], -1)
+    gate, up = gate_up.chunk(2, dim=-1)
     y = torch.ops.rlt.linear_small(x, w)
-    gate, up = torch.cat([x, x.flip(-1)], -1).chunk(2, dim=-1)
-    y2 = torch.ops.rlt.silu_mul_linear_small(torch.cat([gate, up], -1), w)
+    y2 = torch.ops.rlt.silu_mul_linear_small(gate_up, w)
     if rows > gemv.OP_MAX_ROWS:
         assert torch.equal(y, F.linear(x, w)) and torch.equal(y2, F.linear(F.silu(gate) * up, w))
     else:
         assert torch.equal(y, gemv.linear_gemv(x, w))
-        assert torch.equal(y2, gemv.linear_gemv(torch.cat([gate, up], -1), w, silu_mul=True))
+        assert torch.equal(y2, gemv.linear_gemv(gate_up, w, silu_mul=True))
