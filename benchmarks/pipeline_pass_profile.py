@@ -1,8 +1,9 @@
 """Where one pass of the asynchronous token pipeline spends its time (spec_bench part 4's model).
 
 Built to settle why a Nanbeige4.2-3B pass cost ~92 ms on the H200 (bf16, random weights, forced
-agreement) against ~4.5 ms for a plain full-depth step. Prints, in this order (GPU: well under a
-minute after the compile):
+agreement) against ~4.5 ms for a plain full-depth step; its first run (session 5, docs/benchmarks.md)
+measured 3.447 ms per pass with graphs against 36.3 ms without. Prints, in this order (GPU: well
+under a minute after the compile):
 
 1. the decode linears of the model alone (first layer's weights and the output head) at 1 row (the
    plain step) and at ``T`` rows (a pipeline pass: one row per loop step), each 20 calls in one CUDA
