@@ -230,6 +230,8 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     cands.append(("warps=8" if group > 1 else "warps=2", {"warps": 8 if group > 1 else 2}))
     cands.append(("stages=3" if group > 1 else "stages=1", {"stages": 3 if group > 1 else 1}))
     cands.append(("no table prefetch", {"prefetch": False}))
+    cands.append(("split reduce kernel", {"fuse_reduce": False}))
+    cands.append(("metadata after the PDL wait", {"early_reads": False}))
     if group == 1:
         cands.append(("tl.dot (16-row tile)", {"use_dot": True}))
     seen, out = set(), []

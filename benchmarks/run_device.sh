@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1|pending2|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
-#   pending: what was written but not yet timed on a GPU (~4 minutes; see docs/benchmarks.md, session 5)
+#   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,20 +28,25 @@ if [[ $what == more || $what == all ]]; then
   run python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --out "$OUT/engine_profile.md"
   run python3 benchmarks/serve_bench.py --engine-baseline --out "$OUT/serve.md"
 fi
-if [[ $what == pending ]]; then
-  run timeout 180 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_fuse_rope_gemv.py \
+if [[ $what == pending1 ]]; then
+  run timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_fuse_rope_gemv.py \
     tests/test_pdl.py tests/test_triton_kernels.py tests/test_graphs_gpu.py tests/test_async_pipeline.py \
     tests/test_engine_wavefront.py tests/test_input_buffers.py
   # the dot-free GEMV at 2-4 rows vs the tl.dot tile vs cuBLAS: sets gemv.OP_MAX_ROWS
   run timeout 60 python3 benchmarks/pipeline_pass_profile.py --model nanbeige4.2-3b --linears-only --rows 1,2,3,4,8
-  # the rotary in the QKV GEMV's epilogue: keep fuse_rope_gemv (make it default) only if faster
-  run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 --out "$OUT/ouro_default.md"
-  run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 \
+  # Ouro-1.4B decode: default; without the fused split reduce / early metadata reads; with fuse_rope_gemv
+  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 --out "$OUT/ouro_default.md"
+  run env RLT_ATTENTION_CONFIG=fuse_reduce=0,early_reads=0 timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b \
+    --eager-steps 0 --compiled-steps 0 --out "$OUT/ouro_attn_old.md"
+  run timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
     --passes attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv --out "$OUT/ouro_rope.md"
+fi
+if [[ $what == pending2 ]]; then
   # issue 10: H2D copies on the side stream vs the compute stream vs UVA (no copy)
   for env in RLT_COPY_STREAM=1 RLT_COPY_STREAM=0 RLT_UVA=1; do
     run env $env timeout 120 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32 \
       --out "$OUT/engine_profile_${env}.md"
   done
+  run timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --out "$OUT/attention_sweep.md"
 fi
 exit 0

@@ -18,6 +18,10 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              measured by (``bench --engine-profile``).
     RLT_ATTENTION_BACKEND    auto | flash | triton | torch (default auto). Overrides the attention backend
                              the Platform picks (``Platform.select_attention_backend``).
+    RLT_ATTENTION_CONFIG     ``key=int,...`` (default empty). Defaults for the Triton attention launchers'
+                             ``config`` (keys in ``triton_attention.CONFIG_KEYS``, e.g.
+                             ``fuse_reduce=0,early_reads=0``), under any config a caller passes: for tuning
+                             and A/B runs of whole models (``bench``) without code changes.
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
                              "triton" to the CPU platform's backend order.
 
@@ -39,6 +43,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RLT_PDL": ("auto", "auto|0|1: Programmatic Dependent Launch on sm_90+ (auto = where supported)"),
     "RLT_COPY_STREAM": ("1", "1|0: H2D input copies on a side stream (0 = on the compute stream)"),
     "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
+    "RLT_ATTENTION_CONFIG": ("", "key=int,...: default Triton attention launcher config (tuning)"),
     "TRITON_INTERPRET": ("0", "1 = run Triton kernels in the CPU interpreter"),
 }
 
@@ -91,6 +96,26 @@ def rlt_copy_stream() -> bool:
 def rlt_attention_backend() -> str:
     """``RLT_ATTENTION_BACKEND`` ("auto" when unset); validated by the Platform."""
     return get("RLT_ATTENTION_BACKEND")
+
+
+def rlt_attention_config() -> dict[str, int]:
+    """``RLT_ATTENTION_CONFIG`` parsed: ``"fuse_reduce=0, waves=4"`` -> ``{"fuse_reduce": 0, "waves": 4}``
+    (keys are checked by the attention launcher)."""
+    raw = os.environ.get("RLT_ATTENTION_CONFIG", "")
+    return dict(_parse_int_pairs(raw)) if raw.strip() else {}
+
+
+def _parse_int_pairs(raw: str) -> tuple[tuple[str, int], ...]:
+    pairs = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            pairs.append((key.strip().lower(), int(value.strip())))
+        except ValueError:
+            raise ValueError(f"RLT_ATTENTION_CONFIG must be key=int pairs separated by commas, got {raw!r}") from None
+    return tuple(pairs)
 
 
 def triton_interpret() -> bool:

@@ -37,9 +37,18 @@ KERNELS = {
     "_gemv_kernel",
     "_rope_columns_kernel",
 }
-# Kernels allowed to read some inputs before the prologue: inputs no earlier kernel writes (the
-# decode GEMV's weights), so reading them early overlaps the previous kernel's tail.
-EARLY_READS = {"_gemv_kernel": {"w_ptr"}}
+# Kernels allowed to read some inputs before the prologue: inputs the previous kernel never writes
+# (the decode GEMV's weights, the decode attention's metadata), so reading them early overlaps the
+# previous kernel's tail.
+EARLY_READS = {
+    "_gemv_kernel": {"w_ptr"},
+    "_paged_attention_decode_kernel": {
+        "query_start_ptr",
+        "seq_lens_ptr",
+        "block_tables_ptr",
+        "slot_ptr",
+    },
+}
 PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]
 
 
@@ -316,6 +325,14 @@ def _first(lines: list[str], pred) -> int:
     return next((i for i, line in enumerate(lines) if pred(line)), len(lines))
 
 
+def _mnemonic(line: str) -> str:
+    """The instruction of a PTX line without its guard predicate (``@%p1 st.global.b16 [...]``)."""
+    words = line.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
 def _compile_sm90(spec: aot.Specialisation):
     import triton
     from triton.compiler import ASTSource
@@ -354,11 +371,10 @@ def test_sm90_ptx_waits_before_any_memory_access_or_branch():
         launch = _first(lines, lambda s: s.startswith("griddepcontrol.launch_dependents"))
         # an early reader may load its EARLY_READS inputs (and branch on their masks) first, never store
         early = name.rsplit(".", 1)[-1] in EARLY_READS
-        ops = (
-            ("st.global", "atom.", "red.") if early else ("ld.global", "st.global", "atom.", "red.", " bra", "bra.uni")
-        )
-        ends = ("ret", "exit") if early else ("ret", "bra", "exit")
-        access = next((i for i, s in enumerate(lines) if any(op in s for op in ops) or s.startswith(ends)), len(lines))
+        ops = ("st.global", "atom.", "red.", "ret", "exit")
+        if not early:
+            ops += ("ld.global", "bra")
+        access = next((i for i, s in enumerate(lines) if _mnemonic(s).startswith(ops)), len(lines))
         assert wait < launch < access < len(lines), (name, lines[wait : access + 1])
     off = next(s for s in specs.values() if s.kernel.endswith("_fused_rmsnorm_kernel"))
     names = list(off.signature)

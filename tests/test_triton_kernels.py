@@ -371,6 +371,84 @@ def test_decode_config_overrides(heads, config):
     check_attention(case, None, config=config, fused=True)
 
 
+def _launched_kernels(monkeypatch) -> list[str]:
+    """Names of the kernels the launchers run from now on (``triton_attention._kernel`` spied)."""
+    names: list[str] = []
+    real = triton_attention._kernel
+    monkeypatch.setattr(
+        triton_attention, "_kernel", lambda fn, interpret: names.append(fn.__name__) or real(fn, interpret)
+    )
+    return names
+
+
+@pytest.mark.parametrize("split_k", [2, 4, 16])
+@pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
+def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
+    """Split-K decode merges its splits in the decode kernel itself (the last split of each (token, KV
+    head) to finish, counted with an atomic): no reduce launch, the reference's output (padding rows
+    zero), the arrival counters back at zero; ``fuse_reduce=0`` runs the reduce kernel instead, with
+    the same result up to rounding."""
+    case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
+    launched = _launched_kernels(monkeypatch)
+    real_empty_like = torch.empty_like  # padding rows must be written by the kernel
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    fused = check_attention(tuple(x.clone() if torch.is_tensor(x) else x for x in case), split_k, fused=True)
+    assert launched == ["_paged_attention_decode_kernel"]
+    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
+    launched.clear()
+    plain = check_attention(case, split_k, fused=True, config={"fuse_reduce": False})
+    assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
+    torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_fused_reduce_falls_back_to_the_reduce_kernel(monkeypatch):
+    """Without counters (more (token, KV head) pairs than their capacity, or none allocated yet while
+    a CUDA graph is captured) the launch runs the separate reduce kernel, with the same result."""
+    case = make_case([1] * 3, [20, 33, 7], 4, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1, seed=25)
+    launched = _launched_kernels(monkeypatch)
+    monkeypatch.setattr(triton_attention, "_COUNTER_CAPACITY", 4)  # 4 tokens x 2 KV heads = 8 > 4
+    check_attention(case, 4, fused=True)
+    assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
+    assert triton_attention._split_counters(torch.device("cpu"), 4) is not None
+    monkeypatch.setattr(triton_attention, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert triton_attention._split_counters(torch.device("cuda", 0), 4) is None
+    assert triton_attention._COUNTERS == {}  # nothing allocated during the (pretended) capture
+
+
+@pytest.mark.parametrize("split_k", [False, 4])
+def test_decode_early_metadata_reads_change_no_bit(split_k):
+    """Reading the metadata before the PDL wait (``early_reads``, the default) or after it computes
+    the same thing: identical outputs and caches."""
+    case = make_case([1, 3, 1, 1], [30, 17, 0, 64], 6, 2, 32, 16, torch.float32, pad_seqs=2, seed=26)
+    outs = []
+    for early in (True, False):
+        q, k, v, cache, md = (x.clone() if torch.is_tensor(x) else x for x in case)
+        outs.append(
+            (attention_forward(q, k, v, cache, *md, 0.2, split_k=split_k, config={"early_reads": early}), cache)
+        )
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_rlt_attention_config_sets_launcher_defaults(monkeypatch):
+    """``RLT_ATTENTION_CONFIG`` gives defaults under the caller's config; bad text or keys are errors."""
+    case = make_case([1] * 3, [40, 7, 90], 4, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1, seed=27)
+    launched = _launched_kernels(monkeypatch)
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "fuse_reduce=0, splits=4")
+    check_attention(case, None, fused=True)
+    assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
+    launched.clear()
+    check_attention(case, None, fused=True, config={"fuse_reduce": True})  # the caller's config wins
+    assert launched == ["_paged_attention_decode_kernel"]
+    for bad in ("fuse_reduce", "fuse_reduce=yes", "=1"):
+        monkeypatch.setenv("RLT_ATTENTION_CONFIG", bad)
+        with pytest.raises(ValueError, match="RLT_ATTENTION_CONFIG"):
+            check_attention(case, None, fused=True)
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "fuse_reduse=0")
+    with pytest.raises(ValueError, match="fuse_reduse.*RLT_ATTENTION_CONFIG"):
+        check_attention(case, None, fused=True)
+
+
 def test_decode_kernel_gqa_without_dot_and_block_smaller_than_block_size():
     # group 2 through the 3-D broadcast path; 16-position tiles inside 64-position KV blocks
     case = make_case([1] * 3, [100, 64, 1], 4, 2, 16, 64, torch.float32, pad_tokens=1, pad_seqs=1, seed=21)

@@ -27,7 +27,10 @@ Four kernels serve the varlen batch layout of ``metadata.py``:
   from k/v themselves, so no program waits for another's store.
 * With ``NUM_SPLITS > 1`` either attention kernel is the first half of split-K ("flash-decoding"):
   every program handles one slice of the context and writes its normalised partial output plus
-  its log2-sum-exp; ``_split_reduce_kernel`` then merges the slices.
+  its log2-sum-exp; ``_split_reduce_kernel`` then merges the slices. The decode kernel merges them
+  itself (config ``fuse_reduce``, default on): each split counts its arrival on a per-(token, KV
+  head) atomic counter and the last one merges all partials, so split-K costs no second launch.
+  The counters are one zeroed buffer per device that every launch leaves at zero.
 
 PDL (Programmatic Dependent Launch, NVIDIA sm_90+, ``platform.pdl_enabled()`` / ``RLT_PDL``): on
 CUDA tensors every kernel is launched with ``launch_pdl=True`` and ``USE_PDL=True``, and its very
@@ -35,8 +38,11 @@ first statements are ``gdc_wait()`` (block until the previous grid in the stream
 its writes are visible) then ``gdc_launch_dependents()`` (let the next grid launch). The wait comes
 before every load, store and early return: a program that exits without waiting would count as
 done, so the grid could complete before its predecessor and the next kernel (which only waits for
-this one) could read stale data. ``USE_PDL=False`` (CPU interpreter, ``meta`` tensors, ROCm, older
-GPUs) compiles the prologue away.
+this one) could read stale data. One exception: the decode kernel reads its metadata (query starts,
+sequence lengths, slot, the first tile's block-table entries) before the wait (config
+``early_reads``, default on), since no kernel of a step writes it and those dependent loads then
+overlap the previous kernel's tail; it still stores and returns only after the wait.
+``USE_PDL=False`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
 
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
 launchers can run inside CUDA/HIP graph capture. Head dims that are not a power of two (Huginn
@@ -59,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlt_compile import envs
 from rlt_compile import platform as _platform
 
 __all__ = [
@@ -317,6 +324,80 @@ def _decode_tile(
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _merge_splits(
+    part_out_ptr, part_lse_ptr, t64, head, row_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
+    stride_lt, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """The attention of ``ROWS`` heads of token ``t64`` from the ``NUM_SPLITS`` partial outputs and
+    log2-sum-exps of split-K (an online merge over the splits; empty splits have lse = -inf). The
+    partials are read through L2 (``.cg``): other programs of this grid wrote them."""
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    lse_ptrs = part_lse_ptr + t64 * stride_lt + head
+    part_ptrs = part_out_ptr + t64 * stride_pt + head[:, None] * stride_ph + offs_d[None, :]
+    for _ in range(NUM_SPLITS):
+        lse = tl.load(lse_ptrs, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        lse_ptrs += stride_ls
+        part_ptrs += stride_ps
+        m_new = tl.maximum(m, lse)
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - pivot)  # 0 while every split so far was empty
+        w = tl.exp2(lse - pivot)  # 0 for an empty split
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * part
+        m = m_new
+    return acc / tl.where(den > 0.0, den, 1.0)[:, None]
+
+
+@triton.jit
+def _decode_start(
+    query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FUSE_WRITE: tl.constexpr,
+):  # fmt: skip
+    """What a decode program reads from the metadata: returns ``(is_real, q_start, ctx_len, kv_lo,
+    kv_hi, cache_hi, table, slot, block)``; keys ``[kv_lo, kv_hi)`` are this split's, ``[kv_lo,
+    cache_hi)`` of them come from the cache, ``block`` holds the block-table entries of its first tile."""
+    # Token t's sequence. Fast path (a pure decode row): sequence t owns exactly token t. Otherwise
+    # (padding rows, or a multi-token sequence in a batch that merely has num_tokens == num_seqs) count.
+    q_start = tl.load(query_start_ptr + t)
+    q_end = tl.load(query_start_ptr + t + 1)
+    seq_len = tl.load(seq_lens_ptr + t)
+    seq = t
+    if (q_start != t) | (q_end != t + 1):
+        seq = 0  # the number of sequences ending at or before t; == num_seqs: a padding row past the last one
+        for base in range(0, num_seqs, SEQ_CHUNK):
+            offs_s = base + tl.arange(0, SEQ_CHUNK)
+            ends = tl.load(query_start_ptr + 1 + offs_s, mask=offs_s < num_seqs, other=1 << 30)
+            seq += tl.sum((ends <= t).to(tl.int32), axis=0)
+        safe = tl.minimum(seq, num_seqs - 1)
+        q_start = tl.load(query_start_ptr + safe)
+        q_end = tl.load(query_start_ptr + safe + 1)
+        seq_len = tl.where(seq < num_seqs, tl.load(seq_lens_ptr + safe), 0)
+    is_real = seq < num_seqs
+    ctx_len = seq_len - (q_end - q_start)  # cached positions; [ctx_len, seq_len) are this step's tokens
+    kv_end = tl.where(is_real, ctx_len + (t - q_start) + 1, 0)  # causal: keys up to this token's position
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+        kv_lo = split * tiles_per_split * BLOCK_N
+        kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+    if FUSE_WRITE:
+        cache_hi = tl.minimum(kv_hi, ctx_len)
+        slot = tl.load(slot_ptr + t.to(tl.int64)).to(tl.int64)
+    else:
+        cache_hi = kv_hi
+        slot = tl.full([], -1, tl.int64)
+    table = block_tables_ptr + tl.minimum(seq, num_seqs - 1).to(tl.int64) * stride_bt
+    block = tl.load(table + (kv_lo + offs_n) // BLOCK_SIZE, mask=kv_lo + offs_n < cache_hi, other=0).to(tl.int64)
+    return is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block
+
+
 def _paged_attention_decode_kernel(
     q_ptr,
     k_ptr,
@@ -330,6 +411,7 @@ def _paged_attention_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
     scale_log2,
     num_seqs,
     head_dim,
@@ -364,72 +446,54 @@ def _paged_attention_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,
     FUSE_WRITE: tl.constexpr,
+    FUSE_REDUCE: tl.constexpr,
+    EARLY_READS: tl.constexpr,
     PREFETCH: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # EARLY_READS: the metadata (sequence, context split, slot, the first tile's block-table entries)
+    # is read before the PDL wait, while the previous kernel finishes: no kernel of a step writes it.
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     t64 = t.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
+    offs_n = tl.arange(0, BLOCK_N)
     head_off = kv_head.to(tl.int64) * stride_ch
+    if EARLY_READS:
+        is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block = _decode_start(
+            query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
+            BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
+        )  # fmt: skip
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading its outputs
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if not EARLY_READS:
+        is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block = _decode_start(
+            query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
+            BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
+        )  # fmt: skip
 
     if FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime) split 0 writes this token and head's K/V row
-        if split == 0:
-            slot = tl.load(slot_ptr + t64).to(tl.int64)
-            if slot >= 0:
-                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off
-                k_row = tl.load(k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd, mask=d_mask)
-                tl.store(k_cache_ptr + dst + offs_d * stride_cd, k_row.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-                v_row = tl.load(v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd, mask=d_mask)
-                tl.store(v_cache_ptr + dst + offs_d * stride_cd, v_row.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-
-    # Token t's sequence. Fast path (a pure decode row): sequence t owns exactly token t. Otherwise
-    # (padding rows, or a multi-token sequence in a batch that merely has num_tokens == num_seqs) count.
-    q_start = tl.load(query_start_ptr + t)
-    q_end = tl.load(query_start_ptr + t + 1)
-    seq_len = tl.load(seq_lens_ptr + t)
-    seq = t
-    if (q_start != t) | (q_end != t + 1):
-        seq = 0  # the number of sequences ending at or before t; == num_seqs: a padding row past the last one
-        for base in range(0, num_seqs, SEQ_CHUNK):
-            offs_s = base + tl.arange(0, SEQ_CHUNK)
-            ends = tl.load(query_start_ptr + 1 + offs_s, mask=offs_s < num_seqs, other=1 << 30)
-            seq += tl.sum((ends <= t).to(tl.int32), axis=0)
-        safe = tl.minimum(seq, num_seqs - 1)
-        q_start = tl.load(query_start_ptr + safe)
-        q_end = tl.load(query_start_ptr + safe + 1)
-        seq_len = tl.where(seq < num_seqs, tl.load(seq_lens_ptr + safe), 0)
+        if (split == 0) & (slot >= 0):  # (slot is -1 unless FUSE_WRITE)
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off
+            k_row = tl.load(k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd, mask=d_mask)
+            tl.store(k_cache_ptr + dst + offs_d * stride_cd, k_row.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+            v_row = tl.load(v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd, mask=d_mask)
+            tl.store(v_cache_ptr + dst + offs_d * stride_cd, v_row.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
 
     offs_r = tl.arange(0, ROWS)
     head = kv_head * GROUP + offs_r
     row_valid = offs_r < GROUP
-    if seq >= num_seqs:  # padding row: zeros (the split reduce writes them when splitting)
-        if NUM_SPLITS == 1:
-            o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
-            zeros = tl.zeros([ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
-            tl.store(o_ptrs, zeros, mask=row_valid[:, None] & d_mask[None, :])
+    if not is_real:  # padding row: zeros
+        if (NUM_SPLITS == 1) | FUSE_REDUCE:  # noqa: SIM102 (else the split reduce kernel writes them)
+            if split == 0:
+                o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+                zeros = tl.zeros([ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+                tl.store(o_ptrs, zeros, mask=row_valid[:, None] & d_mask[None, :])
         return
-
-    q_len = q_end - q_start
-    ctx_len = seq_len - q_len  # cached positions; [ctx_len, seq_len) are this step's tokens
-    kv_end = ctx_len + (t - q_start) + 1  # causal: keys up to and including this token's position
-    if NUM_SPLITS == 1:
-        kv_lo = 0
-        kv_hi = kv_end
-    else:
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-        kv_lo = split * tiles_per_split * BLOCK_N
-        kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
-    if FUSE_WRITE:
-        cache_hi = tl.minimum(kv_hi, ctx_len)
-    else:
-        cache_hi = kv_hi
 
     q_ptrs = q_ptr + t64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
@@ -441,11 +505,8 @@ def _paged_attention_decode_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # PREFETCH: the block-table entries of the next tile are loaded while this tile's K/V are in
     # flight, so each iteration waits for one memory round trip instead of two.
-    block = tl.load(table + (kv_lo + offs_n) // BLOCK_SIZE, mask=kv_lo + offs_n < cache_hi, other=0).to(tl.int64)
     for start in range(kv_lo, cache_hi, BLOCK_N):
         pos = start + offs_n
         n_valid = pos < cache_hi
@@ -480,8 +541,8 @@ def _paged_attention_decode_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_mask[None, :]
+    o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         split64 = split.to(tl.int64)
@@ -489,6 +550,19 @@ def _paged_attention_decode_kernel(
         tl.store(p_ptrs + offs_d[None, :], out, mask=store_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + split64 * stride_ls + t64 * stride_lt + head, lse, mask=row_valid)
+        if FUSE_REDUCE:
+            # The last split of (token, KV head) to finish merges them all: count the finished splits
+            # (the barrier orders every thread's partial stores before the release of the count).
+            tl.debug_barrier()
+            counter = counter_ptr + t64 * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has counted: reset
+                merged = _merge_splits(
+                    part_out_ptr, part_lse_ptr, t64, head, row_valid, offs_d, d_mask,
+                    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, ROWS, BLOCK_D, NUM_SPLITS,
+                )  # fmt: skip
+                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _split_reduce_kernel(
@@ -670,6 +744,27 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Arrival counters of the decode kernel's fused split reduce, one per (token, KV head), per device.
+# Every launch leaves them at zero (the last split resets its counter), so one zeroed buffer serves
+# every launch on the device, in or out of CUDA graphs; launches on one device run in stream order.
+_COUNTER_CAPACITY = 1 << 14
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The zeroed counters of ``device``, or None (the launch then runs the separate reduce kernel)
+    for more than ``_COUNTER_CAPACITY`` (token, KV head) pairs, or when they do not exist yet during
+    CUDA-graph capture (a buffer allocated there would belong to the graph's memory pool)."""
+    if needed > _COUNTER_CAPACITY:
+        return None
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
+    return counters
+
+
 def choose_num_splits(
     num_tokens: int,
     num_seqs: int,
@@ -788,7 +883,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     head dim, so no tile rows are padding. GQA puts the group's query heads in the rows of a
     ``tl.dot`` tile (at least 16 rows). Checked with ptxas -v (sm_90): no spills for head_dim <= 128;
     fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
-    cfg = {"use_dot": group_p > 1, "waves": 2, "prefetch": True}
+    cfg = {"use_dot": group_p > 1, "waves": 2, "prefetch": True, "fuse_reduce": True, "early_reads": True}
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
     elif dtype == torch.float32:
@@ -815,6 +910,8 @@ CONFIG_KEYS = frozenset(
         "use_dot",
         "waves",
         "prefetch",
+        "fuse_reduce",
+        "early_reads",
         "reduce_warps",
         "mask_split",
         "pad_group",
@@ -824,10 +921,14 @@ CONFIG_KEYS = frozenset(
 
 
 def _check_config(config: dict | None) -> dict:
-    config = dict(config or {})
+    """``config`` over the ``RLT_ATTENTION_CONFIG`` defaults, validated."""
+    config = {**envs.rlt_attention_config(), **(config or {})}
     unknown = set(config) - CONFIG_KEYS
     if unknown:
-        raise ValueError(f"unknown attention config keys {sorted(unknown)}; valid: {sorted(CONFIG_KEYS)}")
+        raise ValueError(
+            f"unknown attention config keys {sorted(unknown)} (config or RLT_ATTENTION_CONFIG); "
+            f"valid: {sorted(CONFIG_KEYS)}"
+        )
     for key in ("block_n", "block_m"):
         value = config.get(key)
         if value is not None and (value < 16 or value & (value - 1)):
@@ -893,7 +994,9 @@ def paged_attention_triton(
     (the heuristic's count, at least 2); an int >= 2 is the number of context splits (rounded up
     to a power of two). ``config`` overrides tiles for tuning (keys in ``CONFIG_KEYS``: ``decode``
     on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
-    (decode), ``waves`` (decode split heuristic), ``reduce_warps``; unified kernel only:
+    (decode), ``waves`` (decode split heuristic), ``fuse_reduce`` / ``early_reads`` (decode: split-K
+    merged in the kernel / metadata read before the PDL wait, both default on), ``reduce_warps``;
+    defaults come from ``RLT_ATTENTION_CONFIG``; unified kernel only:
     ``mask_split`` (default True: unmasked key tiles below the diagonal), ``pad_group`` (default
     False: GQA rows padded to a power of two per token, the old layout), ``reverse_tiles`` (default
     False: a sequence's last query tile first)). Nothing here reads tensor values on the host.
@@ -1003,6 +1106,12 @@ def _attention(
     else:  # unused placeholders
         part_out = part_lse = out
         part_strides = (0, 0, 0, 0, 0)
+    fuse_reduce = False
+    counters = out  # unused placeholder
+    if decode and num_splits > 1 and cfg["fuse_reduce"]:
+        counters = _split_counters(q.device, num_tokens * num_kv_heads)
+        fuse_reduce = counters is not None
+        counters = out if counters is None else counters
     with _interpreter_scope(interpret):
         if decode:
             fuse = k is not None
@@ -1020,6 +1129,7 @@ def _attention(
                 out,
                 part_out,
                 part_lse,
+                counters,
                 float(scale) * _LOG2E,
                 num_seqs,
                 head_dim,
@@ -1039,6 +1149,8 @@ def _attention(
                 NUM_SPLITS=num_splits,
                 USE_DOT=use_dot,
                 FUSE_WRITE=fuse,
+                FUSE_REDUCE=fuse_reduce,
+                EARLY_READS=fuse and bool(cfg["early_reads"]),
                 PREFETCH=bool(cfg["prefetch"]),
                 PRECISION=precision,
                 USE_PDL=pdl,
@@ -1086,7 +1198,7 @@ def _attention(
                 num_stages=cfg["stages"],
                 **_pdl_launch_options(pdl),
             )
-        if num_splits > 1:
+        if num_splits > 1 and not fuse_reduce:
             _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
                 part_out,
                 part_lse,
