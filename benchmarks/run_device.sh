@@ -35,7 +35,8 @@ if [[ $what == pending1 ]]; then
   # the dot-free GEMV at 2-4 rows vs the tl.dot tile vs cuBLAS: sets gemv.OP_MAX_ROWS
   run timeout 60 python3 benchmarks/pipeline_pass_profile.py --model nanbeige4.2-3b --linears-only --rows 1,2,3,4,8
   # Ouro-1.4B decode: default; without the fused split reduce / early metadata reads; with fuse_rope_gemv
-  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 --out "$OUT/ouro_default.md"
+  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 --profile \
+    --out "$OUT/ouro_default.md"
   run env RLT_ATTENTION_CONFIG=fuse_reduce=0,early_reads=0 timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b \
     --eager-steps 0 --compiled-steps 0 --out "$OUT/ouro_attn_old.md"
   run timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
