@@ -8,7 +8,7 @@ under a minute after the compile):
 1. the decode linears of the model alone (first layer's weights and the output head) at 1 row (the
    plain step) and at ``T`` rows (a pipeline pass: one row per loop step), each 20 calls in one CUDA
    graph: the Triton GEMV (``kernels/gemv.py``) with its default tiles for those rows (no ``tl.dot``
-   up to ``BROADCAST_ROWS``), the same forced onto its 16-row ``tl.dot`` tile, and ``F.linear``
+   at one row), the same forced onto its 16-row ``tl.dot`` tile, and ``F.linear``
    (cuBLAS), us per call, GB/s and the ratio to cuBLAS (``--rows``, ``--linears-only``);
 2. the plain full-depth decode step (CUDA graph, spec_bench's timer);
 3. the pipeline pass as one CUDA graph (ms per replay) and without graphs (compiled units called

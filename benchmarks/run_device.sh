@@ -50,4 +50,11 @@ if [[ $what == pending2 ]]; then
   done
   run timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --out "$OUT/attention_sweep.md"
 fi
+if [[ $what == pending3 ]]; then
+  run timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
+    tests/test_fuse_rope_gemv.py tests/test_gemv.py tests/test_graphs_gpu.py
+  run timeout 190 python3 benchmarks/attention_bench.py --sweep --no-table --out "$OUT/attention_sweep.md"
+  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b --eager-steps 1 --compiled-steps 0 \
+    --profile --out "$OUT/decode.md"
+fi
 exit 0

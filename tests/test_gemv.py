@@ -27,7 +27,7 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])  # one row, broadcast over rows (<= 4), tl.dot
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])  # one row without tl.dot, more through its tile
 @pytest.mark.parametrize(("n", "k"), [(40, 70), (64, 128), (17, 33)])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
@@ -36,6 +36,13 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
     w = torch.randn(n, k, generator=gen)
     y = gemv.linear_gemv(x, w, {"prefetch": prefetch})
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_rows_without_the_dot_tile_are_refused(interpret):
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    with pytest.raises(ValueError, match="2 rows need the tl.dot tile"):
+        gemv.linear_gemv(x, w, {"dot": False})
+    torch.testing.assert_close(gemv.linear_gemv(x[:1], w, {"dot": True}), x[:1] @ w.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6])

@@ -11,9 +11,8 @@ Ouro decode chain (``benchmarks/gemv_chain_bench.py``): 1.18x over cuBLAS GEMVs,
 weight tile is under 1%; the rest is the early launch and small tiles (2 output columns per
 program at one row: thousands of programs keep many loads in flight).
 
-``linear_gemv(x, weight, silu_mul=False)`` handles up to ``MAX_ROWS`` rows: up to ``BROADCAST_ROWS``
-without ``tl.dot`` (a multiply + sum in fp32, broadcast over the rows), more as a ``tl.dot`` tile
-padded to 16 rows. Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
+``linear_gemv(x, weight, silu_mul=False)`` handles up to ``MAX_ROWS`` rows: one row without ``tl.dot``
+(a multiply + sum in fp32), more as a ``tl.dot`` tile padded to 16 rows. Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
 summation order differs. ``silu_mul=True`` forms the input itself from a SwiGLU's gate/up
 row (``silu(gate) * up``, rounded like eager), so the down projection needs no separate kernel.
 ``rlt::linear_small`` and ``rlt::silu_mul_linear_small`` wrap it as a custom op whose implementation falls
@@ -54,10 +53,9 @@ __all__ = [
 ]
 
 MAX_ROWS = 16
-BROADCAST_ROWS = 4  # up to this many rows without tl.dot
 # The custom ops send at most this many rows to Triton and more to cuBLAS: on the H200 the 16-row
-# tl.dot tile ran 1.3-1.5x slower than cuBLAS at 2 rows on Nanbeige's linears (docs/benchmarks.md);
-# the broadcast path for 2-4 rows is not measured on a GPU yet (pipeline_pass_profile.py --rows).
+# tl.dot tile ran 1.1-1.6x slower than cuBLAS at 2-8 rows on Nanbeige's linears, and a dot-free
+# multiply + sum broadcast over 2-4 rows 1.8-6.5x slower (docs/benchmarks.md, session 6).
 OP_MAX_ROWS = 1
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -156,15 +154,11 @@ def _rotate(a, b, cos, sin, dtype: tl.constexpr):
 @triton.jit
 def _tile_product(x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """``x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T`` in fp32: one row as a ``[BLOCK_N]`` multiply +
-    sum, a few rows broadcast over a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` product (no ``tl.dot``: its
-    16-row padding and shared-memory staging cost more than the weight read at decode sizes), or
-    ``tl.dot`` on a 16-row tile."""
+    sum (no ``tl.dot``: its 16-row padding and shared-memory staging cost more than the weight read
+    at one row), more rows as ``tl.dot`` on a 16-row tile."""
     if USE_DOT:
         return tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
-    elif BLOCK_M == 1:
-        return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-    else:
-        return tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -214,21 +208,20 @@ def _rope_columns_kernel(
 
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
-    """Tiles from shapes only (CUDA-graph safe). Up to ``BROADCAST_ROWS`` rows: no ``tl.dot``, 2
-    output columns per program and a 1024-long run of each weight row per load at one row (the best
-    of a sweep on the H200 decode chain, docs/benchmarks.md), shortened so the broadcast product
-    keeps the same size at more rows. More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
+    """Tiles from shapes only (CUDA-graph safe). One row: no ``tl.dot``, 2 output columns per program
+    and a 1024-long run of each weight row per load (the best of a sweep on the H200 decode chain,
+    docs/benchmarks.md). More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
     ``block_n x block_k``."""
-    dot = m > BROADCAST_ROWS
+    dot = m > 1
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot}
     if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
     else:
         block_n = 2
-        block_k = (1024 if dtype != torch.float32 else 256) // triton.next_power_of_2(m)
+        block_k = 1024 if dtype != torch.float32 else 256
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
 
@@ -343,6 +336,8 @@ def linear_gemv(
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     cfg.update(config or {})
     use_dot = bool(cfg["dot"])
+    if m > 1 and not use_dot:
+        raise ValueError(f"linear_gemv: {m} rows need the tl.dot tile (config dot=True); only one row runs without it")
     if rope is not None and (use_dot or rope.lo % cfg["block_n"] or (rope.hi - rope.lo) % cfg["block_n"]):
         raise ValueError(f"linear_gemv with rope: one row and column tiles that split no rotary pair; got {cfg}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -364,7 +359,7 @@ def linear_gemv(
             rope.sin if rope is not None else y,
             rope.lo if rope is not None else 0,
             rope.hi if rope is not None else 0,
-            BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m),
+            BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
             PREFETCH=bool(cfg["prefetch"]),

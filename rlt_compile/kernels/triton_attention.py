@@ -325,31 +325,29 @@ def _decode_tile(
 
 
 @triton.jit
-def _merge_splits(
-    part_out_ptr, part_lse_ptr, t64, head, row_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
-    stride_lt, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _merge_head(
+    part_out_ptr, part_lse_ptr, t64, h, num_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
+    stride_lt, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """The attention of ``ROWS`` heads of token ``t64`` from the ``NUM_SPLITS`` partial outputs and
-    log2-sum-exps of split-K (an online merge over the splits; empty splits have lse = -inf). The
-    partials are read through L2 (``.cg``): other programs of this grid wrote them."""
-    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    lse_ptrs = part_lse_ptr + t64 * stride_lt + head
-    part_ptrs = part_out_ptr + t64 * stride_pt + head[:, None] * stride_ph + offs_d[None, :]
-    for _ in range(NUM_SPLITS):
-        lse = tl.load(lse_ptrs, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        lse_ptrs += stride_ls
-        part_ptrs += stride_ps
-        m_new = tl.maximum(m, lse)
-        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - pivot)  # 0 while every split so far was empty
-        w = tl.exp2(lse - pivot)  # 0 for an empty split
-        den = den * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * part
-        m = m_new
-    return acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    """Head ``h`` of token ``t64`` from its ``NUM_SPLITS`` split-K partial outputs and log2-sum-exps,
+    all loaded at once (``num_valid``: NUM_SPLITS, or 0 for a padding row, which gives zeros; empty
+    splits have lse = -inf and weigh nothing). Through L2 (``.cg``): other programs wrote them."""
+    offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
+    s_valid = offs_s < num_valid  # (a scalar & block mask misbehaves in the interpreter)
+    lse = tl.load(
+        part_lse_ptr + offs_s * stride_ls + t64 * stride_lt + h, mask=s_valid, other=float("-inf"), cache_modifier=".cg"
+    )
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    denom = tl.sum(w, axis=0)
+    parts = tl.load(
+        part_out_ptr + offs_s[:, None] * stride_ps + t64 * stride_pt + h * stride_ph + offs_d[None, :],
+        mask=s_valid[:, None] & (w[:, None] > 0.0) & d_mask[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
 
 
 @triton.jit
@@ -558,11 +556,14 @@ def _paged_attention_decode_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has counted: reset
-                merged = _merge_splits(
-                    part_out_ptr, part_lse_ptr, t64, head, row_valid, offs_d, d_mask,
-                    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, ROWS, BLOCK_D, NUM_SPLITS,
-                )  # fmt: skip
-                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
+                for r in tl.static_range(GROUP):
+                    h = kv_head * GROUP + r
+                    merged = _merge_head(
+                        part_out_ptr, part_lse_ptr, t64, h, NUM_SPLITS, offs_d, d_mask,
+                        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
+                    )  # fmt: skip
+                    o_row = out_ptr + t64 * stride_ot + h * stride_oh + offs_d * stride_od
+                    tl.store(o_row, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _split_reduce_kernel(
@@ -590,21 +591,12 @@ def _split_reduce_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     valid = t < tl.load(query_start_ptr + num_seqs)  # padding token rows past the last sequence -> 0
-    offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
-    s_valid = offs_s < tl.where(valid, NUM_SPLITS, 0)  # (a scalar & block mask misbehaves in the interpreter)
-    lse = tl.load(part_lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_valid, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # 0 for empty splits
-    denom = tl.sum(w, axis=0)
-    parts = tl.load(
-        part_out_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
-        mask=s_valid[:, None] & (w[:, None] > 0.0) & d_mask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    out = _merge_head(
+        part_out_ptr, part_lse_ptr, t, h, tl.where(valid, NUM_SPLITS, 0), offs_d, d_mask,
+        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
+    )  # fmt: skip
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask
     )

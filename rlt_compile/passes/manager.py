@@ -112,7 +112,14 @@ def pass_registry() -> dict[str, type]:
     }
 
 
-DEFAULT_PASSES: tuple[str, ...] = ("attention_swap", "dot_precision", "fuse_linears", "fuse_rmsnorm", "gemv_swap")
+DEFAULT_PASSES: tuple[str, ...] = (
+    "attention_swap",
+    "dot_precision",
+    "fuse_linears",
+    "fuse_rmsnorm",
+    "gemv_swap",
+    "fuse_rope_gemv",
+)
 
 
 def build_passes(spec: Iterable[str | GraphPass] | None = None) -> list[GraphPass]:
