@@ -157,8 +157,10 @@ def _tile_product(x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     sum (no ``tl.dot``: its 16-row padding and shared-memory staging cost more than the weight read
     at one row), more rows as ``tl.dot`` on a 16-row tile."""
     if USE_DOT:
-        return tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
-    return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+        product = tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+    else:
+        product = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+    return product
 
 
 @triton.jit
