@@ -233,7 +233,8 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     cands.append(("split reduce kernel", {"fuse_reduce": False}))
     cands.append(("metadata after the PDL wait", {"early_reads": False}))
     if group == 1:
-        cands.append(("tl.dot (16-row tile)", {"use_dot": True}))
+        cands.append(("no tl.dot (multiply + sum)", {"use_dot": False}))
+        cands.append(("stages=3", {"stages": 3}))
     seen, out = set(), []
     for name, cfg in cands:
         key = tuple(sorted(cfg.items()))

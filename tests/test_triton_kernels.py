@@ -306,7 +306,7 @@ def test_unified_tile_config_row_layout():
     assert (cfg["BLOCK_M"], cfg["GROUP_P"], cfg["BLOCK_Q"]) == (128, 6, 21)
     assert cfg["MASK_SPLIT"] and cfg["REVERSE_TILES"]
     assert not tile_config(False, False, 6, 128, torch.bfloat16, config={"reverse_tiles": False})["REVERSE_TILES"]
-    mha = [tile_config(False, False, 1, 128, torch.bfloat16, wide_mha=wide) for wide in (True, False)]
+    mha = [tile_config(False, False, 1, 128, torch.bfloat16, nvidia=nvidia) for nvidia in (True, False)]
     assert [(c["BLOCK_M"], c["BLOCK_N"]) for c in mha] == [(128, 128), (128, 64)]  # NVIDIA only: LDS
     cfg = tile_config(False, False, 6, 128, torch.bfloat16, config={"pad_group": True, "mask_split": False})
     assert (cfg["BLOCK_M"], cfg["GROUP_P"], cfg["BLOCK_Q"], cfg["MASK_SPLIT"]) == (128, 8, 16, False)

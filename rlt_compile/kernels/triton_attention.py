@@ -792,7 +792,7 @@ def _tile_config(
     dtype: torch.dtype,
     compact: bool = False,
     config: dict | None = None,
-    wide_mha: bool = False,
+    nvidia: bool = False,
 ) -> dict:
     """Unified-kernel tiles and options: defaults from shapes, dtypes and the platform kind only,
     then the ``config`` overrides (``block_m``, ``block_n``, ``warps``, ``stages``, ``mask_split``,
@@ -800,19 +800,19 @@ def _tile_config(
 
     GQA rows pack (query token, head in group) pairs with ``GROUP_P = group`` rows per token
     (``pad_group``: the next power of two, the old layout), so ``BLOCK_Q = BLOCK_M // GROUP_P``
-    tokens per tile and ``BLOCK_M % GROUP_P`` rows of padding. ``wide_mha`` (NVIDIA): MHA takes a
-    128 x 128 key tile."""
+    tokens per tile and ``BLOCK_M % GROUP_P`` rows of padding. ``nvidia``: MHA prefill takes a
+    128 x 128 key tile, decode-shaped batches a single stage (both the best of H200 sweeps)."""
     config = config or {}
     # Checked offline with ptxas -v (sm_90, no spills for head_dim <= 128) and for gfx942 (<= 64 KiB LDS).
     if interpret:  # small tiles keep the interpreter fast and exercise the tile loops in tests
         block_m, block_n, warps, stages = (16 if decode_like else 32), 16, 4, 1
     elif dtype == torch.float32:  # fp32 dots (ieee: FMA) need many registers: small tiles, 8 warps
         block_m, block_n, warps, stages = 16, (32 if block_d <= 128 else 16), 8, 2
-    elif decode_like:
-        block_m, block_n, warps, stages = 16, (64 if block_d <= 128 else 32), 4, 3
+    elif decode_like:  # H200 (MHA batch 32/128 at 128-8k): 1 stage 1.07-1.35x faster than 3
+        block_m, block_n, warps, stages = 16, (64 if block_d <= 128 else 32), 4, (1 if nvidia else 3)
     elif compact:  # Platform.compact_attention_tiles: the 128x64 tile spills VGPRs on gfx90a/gfx942
         block_m, block_n, warps, stages = 64, (64 if block_d <= 128 else 32), 4, 2
-    elif wide_mha and block_d <= 128 and group == 1:  # MHA on NVIDIA: best of the H200 prefill sweep
+    elif nvidia and block_d <= 128 and group == 1:  # MHA on NVIDIA: best of the H200 prefill sweep
         # (docs/benchmarks.md); its ~220 KiB of shared memory does not fit AMD's LDS (160 KiB on gfx950)
         block_m, block_n, warps, stages = 128, 128, 8, 3
     else:
@@ -868,17 +868,22 @@ def choose_decode_splits(
     return max(1, min(splits, _MAX_SPLITS))
 
 
-def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict) -> dict:
+def _decode_tile_config(
+    interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict, nvidia: bool = False
+) -> dict:
     """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
 
-    MHA (one query row per KV head) uses no ``tl.dot``: q.K is a broadcast multiply + sum over the
-    head dim, so no tile rows are padding. GQA puts the group's query heads in the rows of a
-    ``tl.dot`` tile (at least 16 rows). Checked with ptxas -v (sm_90): no spills for head_dim <= 128;
+    GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows). MHA (one
+    query row per KV head) does too for 16-bit caches on NVIDIA (H200, batch 1: 1.5x faster at 8k,
+    equal at 128-1k, docs/benchmarks.md); elsewhere q.K is a broadcast multiply + sum over the head
+    dim, so no tile rows are padding. Checked with ptxas -v (sm_90): no spills for head_dim <= 128;
     fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
-    cfg = {"use_dot": group_p > 1, "waves": 2, "prefetch": True, "fuse_reduce": True, "early_reads": True}
+    sixteen_bit = dtype != torch.float32
+    use_dot = group_p > 1 or (nvidia and sixteen_bit and not interpret)
+    cfg = {"use_dot": use_dot, "waves": 2, "prefetch": True, "fuse_reduce": True, "early_reads": True}
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
-    elif dtype == torch.float32:
+    elif not sixteen_bit:
         cfg.update(block_n=32 if block_d <= 128 else 16, warps=None, stages=2)
     else:
         cfg.update(block_n=64 if block_d <= 128 else 32, warps=4, stages=2)
@@ -1063,7 +1068,14 @@ def _attention(
     decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
 
     if decode:
-        cfg = _decode_tile_config(interpret, group_p, block_d, kv_cache.dtype, config)
+        cfg = _decode_tile_config(
+            interpret,
+            group_p,
+            block_d,
+            kv_cache.dtype,
+            config,
+            not interpret and _platform.current_platform().kind == "cuda",
+        )
         block_n = cfg["block_n"]
         num_splits = _split_count(
             split_k,
@@ -1075,8 +1087,8 @@ def _attention(
     else:
         plat = _platform.current_platform()
         compact = not interpret and plat.compact_attention_tiles
-        wide = not interpret and plat.kind == "cuda"
-        cfg = _tile_config(interpret, num_tokens == num_seqs, group, block_d, kv_cache.dtype, compact, config, wide)
+        nvidia = not interpret and plat.kind == "cuda"
+        cfg = _tile_config(interpret, num_tokens == num_seqs, group, block_d, kv_cache.dtype, compact, config, nvidia)
         num_splits = _split_count(
             split_k,
             config,
