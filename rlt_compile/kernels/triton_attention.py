@@ -28,8 +28,8 @@ Four kernels serve the varlen batch layout of ``metadata.py``:
 * With ``NUM_SPLITS > 1`` either attention kernel is the first half of split-K ("flash-decoding"):
   every program handles one slice of the context and writes its normalised partial output plus
   its log2-sum-exp; ``_split_reduce_kernel`` then merges the slices. The decode kernel merges them
-  itself (config ``fuse_reduce``, default on): each split counts its arrival on a per-(token, KV
-  head) atomic counter and the last one merges all partials, so split-K costs no second launch.
+  itself (config ``fuse_reduce``, default on for MHA): each split counts its arrival on a per-(token,
+  KV head) atomic counter and the last one merges all partials, so split-K costs no second launch.
   The counters are one zeroed buffer per device that every launch leaves at zero.
 
 PDL (Programmatic Dependent Launch, NVIDIA sm_90+, ``platform.pdl_enabled()`` / ``RLT_PDL``): on
@@ -868,22 +868,22 @@ def choose_decode_splits(
     return max(1, min(splits, _MAX_SPLITS))
 
 
-def _decode_tile_config(
-    interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict, nvidia: bool = False
-) -> dict:
+def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict) -> dict:
     """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
 
-    GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows). MHA (one
-    query row per KV head) does too for 16-bit caches on NVIDIA (H200, batch 1: 1.5x faster at 8k,
-    equal at 128-1k, docs/benchmarks.md); elsewhere q.K is a broadcast multiply + sum over the head
-    dim, so no tile rows are padding. Checked with ptxas -v (sm_90): no spills for head_dim <= 128;
-    fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
-    sixteen_bit = dtype != torch.float32
-    use_dot = group_p > 1 or (nvidia and sixteen_bit and not interpret)
-    cfg = {"use_dot": use_dot, "waves": 2, "prefetch": True, "fuse_reduce": True, "early_reads": True}
+    MHA (one query row per KV head) uses no ``tl.dot``: q.K is a broadcast multiply + sum over the
+    head dim, so no tile rows are padding (on the H200 the 16-row ``tl.dot`` tile was faster alone,
+    1.2x at batch 1 and 8k, but Ouro-1.4B's batch-1 decode slowed from 4.33 to 4.55 ms/token with
+    it). GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows).
+    Split-K is merged in the kernel for MHA only (``fuse_reduce``): for GQA the last split's merge
+    of the group's heads took longer than the reduce kernel (H200 batch 1: 13.4 vs 10.6 us at 128,
+    38.7 vs 25.1 at 8k). Checked with ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots
+    (ieee: FMA) need 8 warps (4 spill)."""
+    mha = group_p == 1
+    cfg = {"use_dot": not mha, "waves": 2, "prefetch": True, "fuse_reduce": mha, "early_reads": True}
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
-    elif not sixteen_bit:
+    elif dtype == torch.float32:
         cfg.update(block_n=32 if block_d <= 128 else 16, warps=None, stages=2)
     else:
         cfg.update(block_n=64 if block_d <= 128 else 32, warps=4, stages=2)
@@ -992,7 +992,7 @@ def paged_attention_triton(
     to a power of two). ``config`` overrides tiles for tuning (keys in ``CONFIG_KEYS``: ``decode``
     on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
     (decode), ``waves`` (decode split heuristic), ``fuse_reduce`` / ``early_reads`` (decode: split-K
-    merged in the kernel / metadata read before the PDL wait, both default on), ``reduce_warps``;
+    merged in the kernel, default on for MHA / metadata read before the PDL wait, default on), ``reduce_warps``;
     defaults come from ``RLT_ATTENTION_CONFIG``; unified kernel only:
     ``mask_split`` (default True: unmasked key tiles below the diagonal), ``pad_group`` (default
     False: GQA rows padded to a power of two per token, the old layout), ``reverse_tiles`` (default
@@ -1068,14 +1068,7 @@ def _attention(
     decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
 
     if decode:
-        cfg = _decode_tile_config(
-            interpret,
-            group_p,
-            block_d,
-            kv_cache.dtype,
-            config,
-            not interpret and _platform.current_platform().kind == "cuda",
-        )
+        cfg = _decode_tile_config(interpret, group_p, block_d, kv_cache.dtype, config)
         block_n = cfg["block_n"]
         num_splits = _split_count(
             split_k,
