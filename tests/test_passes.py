@@ -136,7 +136,7 @@ def test_dot_precision(graphs, kind, graph, matmul_precision, expected):
         torch.set_float32_matmul_precision(old)
     nodes = attention_nodes(gm, TRITON_OP)
     assert [n.args[-1] for n in nodes] == [expected] * 2
-    gemv = ["gemv_swap"] if graph.endswith("bf16") and Platform.mock(kind).supports_pdl else []
+    gemv = ["gemv_swap", "fuse_rope_gemv"] if graph.endswith("bf16") and Platform.mock(kind).supports_pdl else []
     assert [r.pass_name for r in records] == ["attention_swap", "dot_precision", "fuse_rmsnorm", *gemv]
     assert f"precision={expected!r}" in records[1].message
     assert kind in records[1].message
