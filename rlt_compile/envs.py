@@ -66,31 +66,28 @@ def get(name: str) -> str:
     return value or ENV_VARS[name][0]
 
 
+def _choice(name: str, allowed: tuple[str, ...]) -> str:
+    """A knob's value among ``allowed`` (true/false/on/off/yes/no read as 1/0), else a ValueError."""
+    value = get(name)
+    value = _BOOL_ALIASES.get(value, value)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {os.environ.get(name)!r}")
+    return value
+
+
 def rlt_uva() -> str:
     """``RLT_UVA``: "auto", "0" or "1" (also accepts true/false/on/off/yes/no)."""
-    value = get("RLT_UVA")
-    value = _BOOL_ALIASES.get(value, value)
-    if value not in UVA_VALUES:
-        raise ValueError(f"RLT_UVA must be one of {UVA_VALUES}, got {os.environ.get('RLT_UVA')!r}")
-    return value
+    return _choice("RLT_UVA", UVA_VALUES)
 
 
 def rlt_pdl() -> str:
     """``RLT_PDL``: "auto", "0" or "1" (also accepts true/false/on/off/yes/no)."""
-    value = get("RLT_PDL")
-    value = _BOOL_ALIASES.get(value, value)
-    if value not in PDL_VALUES:
-        raise ValueError(f"RLT_PDL must be one of {PDL_VALUES}, got {os.environ.get('RLT_PDL')!r}")
-    return value
+    return _choice("RLT_PDL", PDL_VALUES)
 
 
 def rlt_copy_stream() -> bool:
     """``RLT_COPY_STREAM``: True unless "0" (also accepts true/false/on/off/yes/no)."""
-    value = get("RLT_COPY_STREAM")
-    value = _BOOL_ALIASES.get(value, value)
-    if value not in ("0", "1"):
-        raise ValueError(f"RLT_COPY_STREAM must be 0 or 1, got {os.environ.get('RLT_COPY_STREAM')!r}")
-    return value == "1"
+    return _choice("RLT_COPY_STREAM", ("0", "1")) == "1"
 
 
 def rlt_attention_backend() -> str:
@@ -102,20 +99,18 @@ def rlt_attention_config() -> dict[str, int]:
     """``RLT_ATTENTION_CONFIG`` parsed: ``"fuse_reduce=0, waves=4"`` -> ``{"fuse_reduce": 0, "waves": 4}``
     (keys are checked by the attention launcher)."""
     raw = os.environ.get("RLT_ATTENTION_CONFIG", "")
-    return dict(_parse_int_pairs(raw)) if raw.strip() else {}
-
-
-def _parse_int_pairs(raw: str) -> tuple[tuple[str, int], ...]:
-    pairs = []
+    config: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, sep, value = item.partition("=")
+        key = key.strip().lower()
         try:
-            if not sep or not key.strip():
-                raise ValueError
-            pairs.append((key.strip().lower(), int(value.strip())))
+            number = int(value)
         except ValueError:
-            raise ValueError(f"RLT_ATTENTION_CONFIG must be key=int pairs separated by commas, got {raw!r}") from None
-    return tuple(pairs)
+            number = None
+        if not sep or not key or number is None:
+            raise ValueError(f"RLT_ATTENTION_CONFIG must be key=int pairs separated by commas, got {raw!r}")
+        config[key] = number
+    return config
 
 
 def triton_interpret() -> bool:
