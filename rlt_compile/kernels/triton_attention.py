@@ -38,10 +38,11 @@ first statements are ``gdc_wait()`` (block until the previous grid in the stream
 its writes are visible) then ``gdc_launch_dependents()`` (let the next grid launch). The wait comes
 before every load, store and early return: a program that exits without waiting would count as
 done, so the grid could complete before its predecessor and the next kernel (which only waits for
-this one) could read stale data. One exception: the decode kernel reads its metadata (query starts,
-sequence lengths, slot, the first tile's block-table entries) before the wait (config
-``early_reads``, default on), since no kernel of a step writes it and those dependent loads then
-overlap the previous kernel's tail; it still stores and returns only after the wait.
+this one) could read stale data. One exception: with the KV write fused, the decode kernel reads
+its metadata (query starts, sequence lengths, slot, the first tile's block-table entries) before
+the wait (config ``early_reads``, default on), since no kernel of a step writes it and those
+dependent loads then overlap the previous kernel's tail; it still stores and returns only after
+the wait.
 ``USE_PDL=False`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
 
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
@@ -992,8 +993,9 @@ def paged_attention_triton(
     to a power of two). ``config`` overrides tiles for tuning (keys in ``CONFIG_KEYS``: ``decode``
     on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
     (decode), ``waves`` (decode split heuristic), ``fuse_reduce`` / ``early_reads`` (decode: split-K
-    merged in the kernel, default on for MHA / metadata read before the PDL wait, default on), ``reduce_warps``;
-    defaults come from ``RLT_ATTENTION_CONFIG``; unified kernel only:
+    merged in the kernel, default on for MHA / metadata read before the PDL wait when the KV write
+    is fused, default on), ``reduce_warps``; defaults come from ``RLT_ATTENTION_CONFIG``; unified
+    kernel only:
     ``mask_split`` (default True: unmasked key tiles below the diagonal), ``pad_group`` (default
     False: GQA rows padded to a power of two per token, the old layout), ``reverse_tiles`` (default
     False: a sequence's last query tile first)). Nothing here reads tensor values on the host.
@@ -1103,12 +1105,10 @@ def _attention(
     else:  # unused placeholders
         part_out = part_lse = out
         part_strides = (0, 0, 0, 0, 0)
-    fuse_reduce = False
-    counters = out  # unused placeholder
+    counters = None  # the fused split reduce's arrival counters (None: the reduce kernel merges)
     if decode and num_splits > 1 and cfg["fuse_reduce"]:
         counters = _split_counters(q.device, num_tokens * num_kv_heads)
-        fuse_reduce = counters is not None
-        counters = out if counters is None else counters
+    fuse_reduce = counters is not None
     with _interpreter_scope(interpret):
         if decode:
             fuse = k is not None
@@ -1126,7 +1126,7 @@ def _attention(
                 out,
                 part_out,
                 part_lse,
-                counters,
+                counters if fuse_reduce else out,  # out: an unused placeholder
                 float(scale) * _LOG2E,
                 num_seqs,
                 head_dim,
