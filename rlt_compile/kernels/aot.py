@@ -339,15 +339,16 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
 
 
 def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
-    """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one and two rows (no
-    ``tl.dot``) and 8 rows, plain and with the SwiGLU gate folded in; one row with the rotary
-    epilogue, and the rotary kernel for more rows. Prefill linears run ``F.linear``."""
+    """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
+    and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
+    folded in; one row with the rotary epilogue, and the rotary kernel for more rows. Prefill
+    linears run ``F.linear``."""
     if mode == "prefill":
         return
     from rlt_compile.kernels import gemv
 
     weight = torch.empty(workload.hidden, workload.hidden, dtype=dtype, device="meta")
-    for rows in (1, 2, 8):
+    for rows in (1, 8):
         gemv.linear_gemv(torch.empty(rows, workload.hidden, dtype=dtype, device="meta"), weight)
         gate_up = torch.empty(rows, 2 * workload.hidden, dtype=dtype, device="meta")
         gemv.linear_gemv(gate_up, weight, silu_mul=True)

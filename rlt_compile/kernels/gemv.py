@@ -12,12 +12,12 @@ weight tile is under 1%; the rest is the early launch and small tiles (2 output 
 program at one row: thousands of programs keep many loads in flight).
 
 ``linear_gemv(x, weight, silu_mul=False)`` handles up to ``MAX_ROWS`` rows: one row without ``tl.dot``
-(a multiply + sum in fp32), more as a ``tl.dot`` tile padded to 16 rows. Accumulation is fp32 with one rounding to the output dtype, like cuBLAS; only the
-summation order differs. ``silu_mul=True`` forms the input itself from a SwiGLU's gate/up
+(a multiply + sum in fp32), more rows as a ``tl.dot`` tile padded to 16 rows. Accumulation is fp32
+with one rounding to the output dtype, like cuBLAS; only the summation order differs. ``silu_mul=True`` forms the input itself from a SwiGLU's gate/up
 row (``silu(gate) * up``, rounded like eager), so the down projection needs no separate kernel.
 ``rlt::linear_small`` and ``rlt::silu_mul_linear_small`` wrap it as a custom op whose implementation falls
-back to ``F.linear`` for more than ``OP_MAX_ROWS`` rows, non-CUDA tensors or unsupported layouts, so graphs with any
-batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode linears.
+back to ``F.linear`` for more than ``OP_MAX_ROWS`` rows, non-CUDA tensors or unsupported layouts, so
+graphs with any batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode linears.
 """
 
 from __future__ import annotations
@@ -110,14 +110,14 @@ def _gemv_kernel(
     start = 0
     if PREFETCH:
         x = _activations(x_rows, offs_k, mask_m[:, None] & (offs_k[None, :] < K), up_offset, SILU_MUL)
-        acc += _tile_product(x, w_first, BLOCK_M, USE_DOT)
+        acc += _tile_product(x, w_first, USE_DOT)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
-        acc += _tile_product(x, w, BLOCK_M, USE_DOT)
+        acc += _tile_product(x, w, USE_DOT)
     if BLOCK_M == 1:
         out = acc.to(y_ptr.dtype.element_ty)
         if ROPE_HALF > 0:
@@ -152,7 +152,7 @@ def _rotate(a, b, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+def _tile_product(x, w, USE_DOT: tl.constexpr):
     """``x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T`` in fp32: one row as a ``[BLOCK_N]`` multiply +
     sum (no ``tl.dot``: its 16-row padding and shared-memory staging cost more than the weight read
     at one row), more rows as ``tl.dot`` on a 16-row tile."""
@@ -222,8 +222,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
     else:
-        block_n = 2
-        block_k = 1024 if dtype != torch.float32 else 256
+        block_n, block_k = 2, (1024 if dtype != torch.float32 else 256)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
 
