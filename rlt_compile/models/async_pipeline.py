@@ -285,11 +285,10 @@ class AsyncTokenPipeline:
             t.copy_(value)
 
     def _state(self) -> list[torch.Tensor]:
-        carry = [] if self.carry is None else [self.carry]
-        carry += [] if self.draft_probs is None else [self.draft_probs]
+        optional = [t for t in (self.carry, self.draft_probs) if t is not None]
         return [
             self.hidden,
-            *carry,
+            *optional,
             self.tokens,
             self.newest,
             self.fill,
