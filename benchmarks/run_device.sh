@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1|pending2|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending4|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -56,5 +56,15 @@ if [[ $what == pending3 ]]; then
   run timeout 190 python3 benchmarks/attention_bench.py --sweep --no-table --out "$OUT/attention_sweep.md"
   run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b --eager-steps 1 --compiled-steps 0 \
     --profile --out "$OUT/decode.md"
+fi
+if [[ $what == pending4 ]]; then
+  # the final tree of session 6, end to end: GPU tests of the changed parts, decode, engine profile, attention sweep
+  run timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
+    tests/test_fuse_rope_gemv.py tests/test_gemv.py tests/test_graphs_gpu.py
+  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b --eager-steps 1 --compiled-steps 0 \
+    --profile --out "$OUT/decode.md"
+  run timeout 110 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32 \
+    --out "$OUT/engine_profile.md"
+  run timeout 180 python3 benchmarks/attention_bench.py --sweep --no-table --out "$OUT/attention_sweep.md"
 fi
 exit 0
