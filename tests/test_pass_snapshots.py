@@ -385,6 +385,44 @@ return (out,)
 """,
         )
 
+    def test_fuse_swiglu_gemv_cuda(self):
+        from unittest import mock
+
+        from rlt_compile.models.layers import FusedSwiGLU
+
+        torch.manual_seed(0)
+        module = FusedSwiGLU(8, 12).to(torch.bfloat16)
+        captured = capture(module, torch.randn(1, 8, dtype=torch.bfloat16))
+        with mock.patch("rlt_compile.platform.triton_supports_pdl", lambda: True), mock.patch.dict("os.environ"):
+            os.environ.pop("RLT_PDL", None)
+            text = before_after(captured, ["gemv_swap", "fuse_swiglu_gemv"], "cuda")
+        self.assertExpectedInline(
+            text,
+            """\
+# before
+input fc.weight
+input x
+input proj.weight
+linear = torch.nn.functional.linear(x, fc.weight, None)
+chunk = linear.chunk(2, dim=-1)
+gate = getitem(chunk, 0)
+up = getitem(chunk, 1)
+silu = torch.nn.functional.silu(gate)
+mul = mul(silu, up)
+linear_1 = torch.nn.functional.linear(mul, proj.weight, None)
+return (linear_1,)
+# after
+# gemv_swap: 2 linears -> rlt.linear_small (Triton GEMV for one row, F.linear above)
+# fuse_swiglu_gemv: 1 SwiGLU gates folded into rlt.swiglu_linear_small (the gate in the GEMV's epilogue)
+input fc.weight
+input x
+input proj.weight
+swiglu_linear_small_default = rlt.swiglu_linear_small(x, fc.weight)
+linear_small_default_1 = rlt.linear_small(swiglu_linear_small_default, proj.weight)
+return (linear_small_default_1,)
+""",
+        )
+
     def test_gemv_swap_swiglu_cuda(self):
         from unittest import mock
 

@@ -36,6 +36,7 @@ KERNELS = {
     "_fused_rmsnorm_kernel",
     "_gemv_kernel",
     "_rope_columns_kernel",
+    "_silu_gate_kernel",
 }
 # Kernels allowed to read some inputs before the prologue: inputs the previous kernel never writes
 # (the decode GEMV's weights, the decode attention's metadata), so reading them early overlaps the

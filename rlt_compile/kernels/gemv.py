@@ -47,8 +47,10 @@ __all__ = [
     "rope_columns_reference",
     "rope_columns_triton",
     "rope_linear_small",
+    "silu_gate_triton",
     "silu_mul_linear_small",
     "supports_gemv",
+    "swiglu_linear_small",
     "supports_rope",
 ]
 
@@ -75,6 +77,7 @@ def _gemv_kernel(
     sin_ptr,
     rope_lo,
     rope_hi,
+    swiglu_half,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -82,10 +85,14 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     USE_DOT: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWIGLU:  # outputs j of the program from gate row j and up row swiglu_half + j, interleaved
+        offs_out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_n = offs_out + (tl.arange(0, BLOCK_N) % 2) * swiglu_half
     if ROPE_HALF > 0:  # columns in [rope_lo, rope_hi): each program takes whole (d, d + half) pairs
         in_rope = (pid * BLOCK_N >= rope_lo) & (pid * BLOCK_N < rope_hi)
         pair = (pid * BLOCK_N - rope_lo + tl.arange(0, BLOCK_N)) // 2
@@ -93,6 +100,8 @@ def _gemv_kernel(
         rope_cols += (tl.arange(0, BLOCK_N) % 2) * ROPE_HALF
         offs_n = tl.where(in_rope, rope_cols, offs_n)
     mask_n = offs_n < N
+    if SWIGLU:
+        mask_n = offs_out < swiglu_half
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
@@ -122,7 +131,12 @@ def _gemv_kernel(
         out = acc.to(y_ptr.dtype.element_ty)
         if ROPE_HALF > 0:
             out = tl.where(in_rope, _rotate_pairs(out, offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N), out)
-        tl.store(y_ptr + offs_n, out, mask=mask_n)
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
+            offs_y = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + offs_y, _silu_gate(gate, up), mask=offs_y < swiglu_half)
+        else:
+            tl.store(y_ptr + offs_n, out, mask=mask_n)
     else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -169,11 +183,32 @@ def _activations(x_rows, kk, mask, up_offset, SILU_MUL: tl.constexpr):
     (``up`` at ``up_offset``), rounded like the eager ``F.silu(gate) * up`` in the input dtype."""
     x = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
     if SILU_MUL:
-        g = x.to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(x.dtype)
-        up = tl.load(x_rows + up_offset + kk[None, :], mask=mask, other=0.0)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+        x = _silu_gate(x, tl.load(x_rows + up_offset + kk[None, :], mask=mask, other=0.0))
     return x
+
+
+@triton.jit
+def _silu_gate(gate, up):
+    """``silu(gate) * up`` rounded like the eager ``F.silu(gate) * up`` in the inputs' dtype: the SiLU
+    in fp32 rounded once, the product in fp32 rounded once."""
+    g = gate.to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+def _silu_gate_kernel(y_ptr, out_ptr, stride_y, stride_out, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """``out[r, j] = silu(y[r, j]) * y[r, half + j]`` (``_silu_gate``); grid: rows x column
+    blocks. The SwiGLU op's path for more rows than the GEMV serves."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < half
+    y_row = y_ptr + row * stride_y
+    gate = tl.load(y_row + cols, mask=mask, other=0.0)
+    up = tl.load(y_row + half + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, _silu_gate(gate, up), mask=mask)
 
 
 def _rope_columns_kernel(
@@ -313,10 +348,13 @@ def linear_gemv(
     config: dict | None = None,
     silu_mul: bool = False,
     rope: RopeColumns | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows);
     with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``; with
-    ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``."""
+    ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``; with
+    ``swiglu`` (one row only, ``weight`` a gate/up pair ``[2I, K]``, gate rows first), ``silu(gate) *
+    up`` of the two halves of the output, ``[..., I]``."""
     if rope is not None and not supports_rope(x, weight, rope):
         raise ValueError(
             f"linear_gemv with rope needs one row, a column range [lo, hi) of whole heads inside the output "
@@ -341,7 +379,13 @@ def linear_gemv(
         raise ValueError(f"linear_gemv: {m} rows need the tl.dot tile (config dot=True); only one row runs without it")
     if rope is not None and (use_dot or rope.lo % cfg["block_n"] or (rope.hi - rope.lo) % cfg["block_n"]):
         raise ValueError(f"linear_gemv with rope: one row and column tiles that split no rotary pair; got {cfg}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if swiglu and (use_dot or rope is not None or n % 2 or cfg["block_n"] % 2):
+        raise ValueError(
+            f"linear_gemv with swiglu needs one row, no rope, an even number of output columns and of columns "
+            f"per tile; got {m} rows, weight {tuple(weight.shape)}, {cfg}"
+        )
+    n_out = n // 2 if swiglu else n
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     interpret = _interpret(x)
     pdl = _use_pdl(x)
     with _interpreter_scope(interpret):
@@ -360,6 +404,7 @@ def linear_gemv(
             rope.sin if rope is not None else y,
             rope.lo if rope is not None else 0,
             rope.hi if rope is not None else 0,
+            n_out,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
@@ -367,12 +412,36 @@ def linear_gemv(
             SILU_MUL=silu_mul,
             USE_DOT=use_dot,
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
+            SWIGLU=swiglu,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
             **_pdl_launch_options(pdl),
         )
-    return y.reshape(*x.shape[:-1], n)
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate, up = y.chunk(2, -1)`` (``y`` ``[rows, 2I]``, contiguous rows) as one
+    Triton launch, rounded like eager."""
+    rows, half = y.shape[0], y.shape[1] // 2
+    out = y.new_empty((rows, half))
+    block = min(1024, triton.next_power_of_2(max(half, 1)))
+    interpret = _interpret(y)
+    pdl = _use_pdl(y)
+    with _interpreter_scope(interpret):
+        _kernel(_silu_gate_kernel, interpret)[(rows, triton.cdiv(half, block))](
+            y,
+            out,
+            y.stride(0),
+            out.stride(0),
+            half,
+            BLOCK=block,
+            USE_PDL=pdl,
+            num_warps=4,
+            **_pdl_launch_options(pdl),
+        )
+    return out
 
 
 def _op_serves(x: torch.Tensor) -> bool:
@@ -419,6 +488,26 @@ def rope_linear_small(
         rope_columns_triton(rows, rope)  # one kernel, not the eager rotation's chain of ops
         return y
     return rope_columns_reference(y, rope)
+
+
+@torch.library.custom_op("rlt::swiglu_linear_small", mutates_args=())
+def swiglu_linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = F.linear(x, weight).chunk(2, -1)`` (a SwiGLU's fused gate/up
+    projection, gate rows first): the gate in the Triton GEMV's epilogue for one CUDA row; more CUDA
+    rows: ``F.linear`` then one gating kernel (``silu_gate_triton``); elsewhere eager."""
+    if _op_serves(x) and supports_gemv(x, weight) and weight.shape[0] % 2 == 0:
+        return linear_gemv(x, weight, swiglu=True)
+    y = F.linear(x, weight)
+    rows = y.reshape(-1, y.shape[-1])
+    if y.is_cuda and rows.is_contiguous() and y.shape[-1] % 2 == 0:
+        return silu_gate_triton(rows).reshape(*y.shape[:-1], y.shape[-1] // 2)
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@swiglu_linear_small.register_fake
+def _swiglu_linear_small_fake(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
 @rope_linear_small.register_fake

@@ -89,9 +89,10 @@ def _half_of(node) -> tuple[fx.Node, int] | None:
     return None
 
 
-def _swiglu_input(product: fx.Node, down: fx.Node) -> fx.Node | None:
-    """``y`` when ``product`` is ``silu(first half of y) * second half of y``, used only by ``down``."""
-    if product.op != "call_function" or product.target not in _MUL or not _only_user(product, down):
+def swiglu_source(product) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """``(y, gate, up)`` when ``product`` is ``silu(gate) * up`` with ``gate`` / ``up`` the first / second
+    half of ``y`` (the halves and the SiLU used by nothing else), else None."""
+    if not isinstance(product, fx.Node) or product.op != "call_function" or product.target not in _MUL:
         return None
     a, b = product.args[:2]
     for act, up in ((a, b), (b, a)):
@@ -102,7 +103,7 @@ def _swiglu_input(product: fx.Node, down: fx.Node) -> fx.Node | None:
         if g is None or u is None or g[0] is not u[0] or (g[1], u[1]) != (0, 1):
             continue
         if _only_user(act, product) and _only_user(gate, act) and _only_user(up, product):
-            return g[0]
+            return g[0], gate, up
     return None
 
 
@@ -129,10 +130,11 @@ class GemvSwapPass:
         for node in list(gm.graph.nodes) if self.fold_swiglu else ():
             if not is_op(node, linear_small):
                 continue
-            y = _swiglu_input(node.args[0], node)
-            if y is None:
-                continue
             product = node.args[0]
+            source = swiglu_source(product)
+            if source is None or not _only_user(product, node):
+                continue
+            y = source[0]
             self._replace(gm, node, silu_mul_linear, (y, node.args[1]))
             gm.graph.erase_node(product)
             folded += 1

@@ -99,6 +99,7 @@ def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.fuse_linears import FuseLinearsPass
     from rlt_compile.passes.fuse_rmsnorm import FuseRMSNormPass
     from rlt_compile.passes.fuse_rope_gemv import FuseRopeGemvPass
+    from rlt_compile.passes.fuse_swiglu_gemv import FuseSwiGLUGemvPass
     from rlt_compile.passes.gemv_swap import GemvSwapPass, GemvSwapSwiGLUPass
 
     return {
@@ -107,6 +108,7 @@ def pass_registry() -> dict[str, type]:
         "fuse_linears": FuseLinearsPass,
         "fuse_rmsnorm": FuseRMSNormPass,
         "fuse_rope_gemv": FuseRopeGemvPass,
+        "fuse_swiglu_gemv": FuseSwiGLUGemvPass,
         "gemv_swap": GemvSwapPass,
         "gemv_swap_swiglu": GemvSwapSwiGLUPass,
     }
