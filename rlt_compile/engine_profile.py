@@ -158,6 +158,7 @@ def profile_engine(
     compile: bool = True,
     graphs: bool = True,
     log=None,
+    passes: list[str] | None = None,
 ) -> list[EngineProfile]:
     """Sync vs async engine decode at each batch size on one engine (compiled and captured once):
     step time without the profiler, then GPU-busy fraction and launches per token with it."""
@@ -179,6 +180,7 @@ def profile_engine(
         compile=compile,
         use_cuda_graphs=graphs and compile and is_gpu,
         model_options={"init_scale": 0.0} if model.family == "huginn" else {},
+        compile_options={"passes": passes} if passes is not None else {},
     )
     async_scheduler = AsyncScheduler(engine)
     results = []
@@ -259,10 +261,11 @@ def engine_profile_main(args, device: torch.device) -> int:
             compile=mode in ("compiled", "graphs"),
             graphs=mode == "graphs",
             log=log,
+            passes=args.passes.split(",") if args.passes else None,
         )
         title = (
             f"Engine decode profile, {name}{' (tiny config)' if args.tiny else ''}, random {args.dtype} weights, "
-            f"{device_name}, torch {torch.__version__}; {mode}; {args.engine_steps} decode steps per run, "
+            f"{device_name}, torch {torch.__version__}; {mode}; passes: {args.passes or 'default'}; {args.engine_steps} decode steps per run, "
             f"prompt {args.context if not args.tiny else min(args.context, 32)} tokens; "
             f"{time.perf_counter() - t0:.0f} s."
         )
