@@ -405,6 +405,18 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("sms", "fused_write"), [(64, True), (4, True), (3, False)])
+def test_decode_write_is_fused_while_the_programs_fit_two_waves(monkeypatch, sms, fused_write):
+    """4 sequence rows (one padding) x 2 KV heads = 8 (sequence, KV head) programs: the write is fused
+    into the decode kernel up to two waves (8 <= 2 x 4 SMs), else the write kernel runs first."""
+    case = make_case([1] * 3, [20, 33, 7], 8, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1, seed=26)
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: sms)
+    launched = _launched_kernels(monkeypatch)
+    check_attention(case, None, fused=True)
+    assert ("_kv_write_kernel" in launched) != fused_write
+    assert "_paged_attention_decode_kernel" in launched
+
+
 def test_decode_fused_reduce_falls_back_to_the_reduce_kernel(monkeypatch):
     """Without counters (more (token, KV head) pairs than their capacity, or none allocated yet while
     a CUDA graph is captured) the launch runs the separate reduce kernel, with the same result."""

@@ -1022,13 +1022,17 @@ def attention_forward(
     config: dict | None = None,
 ) -> torch.Tensor:
     """KV write + paged attention (the semantics of ``rlt::attention``). On the decode path the write
-    is fused into the attention kernel (``config["fuse_write"]``, default on): the program of (token,
-    KV head, split 0) stores the new row, and every split reads this step's keys from ``k``/``v``
-    directly, so no program depends on another's store. Otherwise ``kv_write_triton`` runs first."""
+    is fused into the attention kernel (``config["fuse_write"]``; default: while the (sequence, KV
+    head) programs fit in two waves): the program of (token, KV head, split 0) stores the new row, and
+    every split reads this step's keys from ``k``/``v`` directly, so no program depends on another's
+    store. Otherwise ``kv_write_triton`` runs first: measured on the H200, the fused write is 7-10%
+    faster at batch 1 and about even at Nanbeige batch 32, but at batch 128 (1024 programs, GQA) the
+    separate write kernel is 1.07-1.18x faster (docs/benchmarks.md, session 7)."""
     config = _check_config(config)
     kv_heads = kv_cache.shape[3]
-    fuse = config.get("fuse_write", True) and uses_decode_kernel(
-        q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, _sm_count(q.device)
+    sms = _sm_count(q.device)
+    fuse = config.get("fuse_write", seq_lens.shape[0] * kv_heads <= 2 * sms) and uses_decode_kernel(
+        q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, sms
     )
     if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
         kv_write_triton(k, v, kv_cache, slot_mapping)
