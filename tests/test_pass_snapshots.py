@@ -423,61 +423,6 @@ return (linear_small_default_1,)
 """,
         )
 
-    def test_fuse_gemv_rmsnorm_cuda(self):
-        from unittest import mock
-
-        from rlt_compile.models.layers import RMSNorm
-
-        class OutProjectionNorm(torch.nn.Module):  # a pre-norm layer's o_proj, residual add, next norm
-            def __init__(self):
-                super().__init__()
-                self.o_proj = torch.nn.Linear(8, 8, bias=False)
-                self.norm = RMSNorm(8, 1e-6)
-
-            def forward(self, x, residual):
-                h = self.o_proj(x) + residual
-                return h, self.norm(h)
-
-        torch.manual_seed(0)
-        module = OutProjectionNorm().to(torch.bfloat16)
-        captured = capture(module, torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(1, 8, dtype=torch.bfloat16))
-        with mock.patch("rlt_compile.platform.triton_supports_pdl", lambda: True), mock.patch.dict("os.environ"):
-            os.environ.pop("RLT_PDL", None)
-            text = before_after(captured, ["fuse_rmsnorm", "gemv_swap", "fuse_gemv_rmsnorm"], "cuda")
-        self.assertExpectedInline(
-            text,
-            """\
-# before
-input o_proj.weight
-input x
-input residual
-input norm.weight
-linear = torch.nn.functional.linear(x, o_proj.weight, None)
-h = add(linear, residual)
-xf = h.float()
-pow_1 = xf.pow(2)
-mean = pow_1.mean(-1, keepdim=True)
-add_1 = add(mean, 1e-06)
-rsqrt = torch.rsqrt(add_1)
-xf_1 = mul(xf, rsqrt)
-to = xf_1.to(torch.bfloat16)
-mul_1 = mul(norm.weight, to)
-return (h, mul_1)
-# after
-# fuse_rmsnorm: 1 RMSNorms + 1 residual adds -> 1 fused ops (1 rlt.add_rmsnorm)
-# gemv_swap: 1 linears -> rlt.linear_small (Triton GEMV for one row, F.linear above)
-# fuse_gemv_rmsnorm: 1 residual-add + RMSNorm folded into rlt.linear_norm_small (the norm in the GEMV's last program)
-input o_proj.weight
-input x
-input residual
-input norm.weight
-linear_norm_small_default = rlt.linear_norm_small(x, o_proj.weight, residual, [norm.weight], [1e-06], 'add_rmsnorm')
-getitem = getitem(linear_norm_small_default, 0)
-getitem_1 = getitem(linear_norm_small_default, 1)
-return (getitem, getitem_1)
-""",
-        )
-
     def test_gemv_swap_swiglu_cuda(self):
         from unittest import mock
 

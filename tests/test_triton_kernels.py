@@ -398,7 +398,7 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     case_f = tuple(x.clone() if torch.is_tensor(x) else x for x in case)
     fused = check_attention(case_f, split_k, fused=True, config={"fuse_reduce": True})
     assert launched == ["_paged_attention_decode_kernel"]
-    assert not triton_attention._COUNTERS[torch.device("cpu"), "split_reduce"].any()
+    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
     launched.clear()
     plain = check_attention(case, split_k, fused=True, config={"fuse_reduce": False})
     assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
@@ -425,10 +425,10 @@ def test_decode_fused_reduce_falls_back_to_the_reduce_kernel(monkeypatch):
     monkeypatch.setattr(triton_attention, "_COUNTER_CAPACITY", 4)  # 4 tokens x 2 KV heads = 8 > 4
     check_attention(case, 4, fused=True, config={"fuse_reduce": True})
     assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
-    assert triton_attention.arrival_counters(torch.device("cpu"), 4, "split_reduce") is not None
+    assert triton_attention._split_counters(torch.device("cpu"), 4) is not None
     monkeypatch.setattr(triton_attention, "_COUNTERS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert triton_attention.arrival_counters(torch.device("cuda", 0), 4, "split_reduce") is None
+    assert triton_attention._split_counters(torch.device("cuda", 0), 4) is None
     assert triton_attention._COUNTERS == {}  # nothing allocated during the (pretended) capture
 
 

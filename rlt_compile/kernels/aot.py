@@ -341,8 +341,8 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
 def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
-    folded in; one row with the rotary epilogue, the SwiGLU gate epilogue and each norm epilogue, and
-    the rotary and gating kernels for more rows. Prefill
+    folded in; one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
+    gating kernels for more rows. Prefill
     linears run ``F.linear``."""
     if mode == "prefill":
         return
@@ -359,11 +359,6 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, rope=rope)
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, swiglu=True)
     gemv.silu_gate_triton(torch.empty(8, 2 * workload.hidden, dtype=dtype, device="meta"))  # fuse_swiglu_gemv
-    row = torch.empty(1, workload.hidden, dtype=dtype, device="meta")  # fuse_gemv_rmsnorm's norm epilogues
-    norm_weight = torch.empty(workload.hidden, dtype=dtype, device="meta")
-    gemv.linear_gemv_norm(row, weight, row, [norm_weight], [1e-6], "add_rmsnorm")
-    gemv.linear_gemv_norm(row, weight, row, [norm_weight] * 2, [1e-6] * 2, "add_rmsnorm2")
-    gemv.linear_gemv_norm(row, weight, row, [norm_weight] * 2, [1e-6] * 2, "add_rmsnorm_rmsnorm")
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)
     gemv.rope_columns_triton(torch.empty(8, workload.hidden, dtype=dtype, device="meta"), rows)

@@ -15,12 +15,6 @@ program at one row: thousands of programs keep many loads in flight).
 (a multiply + sum in fp32), more rows as a ``tl.dot`` tile padded to 16 rows. Accumulation is fp32
 with one rounding to the output dtype, like cuBLAS; only the summation order differs. ``silu_mul=True`` forms the input itself from a SwiGLU's gate/up
 row (``silu(gate) * up``, rounded like eager), so the down projection needs no separate kernel.
-Epilogues for one row (``fuse_*_gemv`` passes): rotate-half rotary on a fused QKV's q/k columns
-(``rope``); the SwiGLU gate of a gate/up projection (``swiglu``: a program pairs gate row ``j``
-with up row ``I + j``); a residual add + RMSNorm of ``kernels/rmsnorm.py`` on the whole output row
-(``norm``): each program counts itself on an arrival counter once its columns are stored, and the
-last one normalises the row (``rmsnorm.norm_row``, reading it through L2), so the norm needs no
-launch of its own.
 ``rlt::linear_small`` and ``rlt::silu_mul_linear_small`` wrap it as a custom op whose implementation falls
 back to ``F.linear`` for more than ``OP_MAX_ROWS`` rows, non-CUDA tensors or unsupported layouts, so
 graphs with any batch bucket stay valid; the ``gemv_swap`` pass puts it in place of the decode linears.
@@ -36,24 +30,19 @@ import triton
 import triton.language as tl
 
 from rlt_compile.kernels.reference import apply_rope_half
-from rlt_compile.kernels.rmsnorm import norm_row
 from rlt_compile.kernels.triton_attention import (
     _interpret,
     _interpreter_scope,
     _kernel,
     _pdl_launch_options,
     _use_pdl,
-    arrival_counters,
 )
 
 __all__ = [
     "MAX_ROWS",
-    "NormEpilogue",
     "RopeColumns",
     "gemv_config",
     "linear_gemv",
-    "linear_gemv_norm",
-    "linear_norm_small",
     "linear_small",
     "rope_columns_reference",
     "rope_columns_triton",
@@ -89,14 +78,6 @@ def _gemv_kernel(
     rope_lo,
     rope_hi,
     swiglu_half,
-    res_ptr,
-    wa_ptr,
-    wb_ptr,
-    h_ptr,
-    out_ptr,
-    counter_ptr,
-    eps_a,
-    eps_b,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -105,10 +86,6 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     ROPE_HALF: tl.constexpr,
     SWIGLU: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    NORM_A: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    NORM_B: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -160,17 +137,6 @@ def _gemv_kernel(
             tl.store(y_ptr + offs_y, _silu_gate(gate, up), mask=offs_y < swiglu_half)
         else:
             tl.store(y_ptr + offs_n, out, mask=mask_n)
-        if NORM_BLOCK > 0:
-            # The last program to finish normalises the whole output row (``rmsnorm.norm_row``): count
-            # the finished programs (the barrier orders every thread's stores before the release).
-            tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(0) - 1:
-                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # every program has counted: reset
-                norm_row(
-                    y_ptr, res_ptr, wa_ptr, wb_ptr, h_ptr, out_ptr, N, eps_a, eps_b,
-                    NORM_BLOCK, NORM_A, RESIDUAL, NORM_B,
-                )  # fmt: skip
     else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -308,25 +274,6 @@ class RopeColumns:
     head_dim: int
 
 
-# mode -> (RESIDUAL, NORM_A, NORM_B) of ``rmsnorm.norm_row`` for the ``rlt::*rmsnorm*`` op of that name
-_NORM_MODES = {"add_rmsnorm": (1, False, True), "add_rmsnorm2": (2, True, True), "add_rmsnorm_rmsnorm": (1, True, True)}
-
-
-@dataclass(frozen=True)
-class NormEpilogue:
-    """``h, out = rlt::<mode>(y, residual, *weights, *eps)`` (``kernels/rmsnorm.py``) on the GEMV's
-    output row ``y``, written by the grid's last program into ``h`` and ``out`` (contiguous, the
-    output's shape); ``counter`` is a zeroed int32 arrival counter that the launch leaves zeroed."""
-
-    mode: str
-    residual: torch.Tensor
-    weights: tuple[torch.Tensor, ...]
-    eps: tuple[float, ...]
-    h: torch.Tensor
-    out: torch.Tensor
-    counter: torch.Tensor
-
-
 def supports_rope(x: torch.Tensor, weight: torch.Tensor, rope: RopeColumns) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     half = rope.head_dim // 2
@@ -402,14 +349,12 @@ def linear_gemv(
     silu_mul: bool = False,
     rope: RopeColumns | None = None,
     swiglu: bool = False,
-    norm: NormEpilogue | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows);
     with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``; with
     ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``; with
     ``swiglu`` (one row only, ``weight`` a gate/up pair ``[2I, K]``, gate rows first), ``silu(gate) *
-    up`` of the two halves of the output, ``[..., I]``; with ``norm`` (one row only, see
-    ``NormEpilogue``), the last program also writes ``norm.h`` and ``norm.out``."""
+    up`` of the two halves of the output, ``[..., I]``."""
     if rope is not None and not supports_rope(x, weight, rope):
         raise ValueError(
             f"linear_gemv with rope needs one row, a column range [lo, hi) of whole heads inside the output "
@@ -439,16 +384,8 @@ def linear_gemv(
             f"linear_gemv with swiglu needs one row, no rope, an even number of output columns and of columns "
             f"per tile; got {m} rows, weight {tuple(weight.shape)}, {cfg}"
         )
-    if norm is not None and (use_dot or swiglu or norm.h.numel() != n or norm.residual.numel() != n):
-        raise ValueError(
-            f"linear_gemv with a norm epilogue needs one row, no swiglu and a residual of the output's "
-            f"{n} columns; got {m} rows, residual {tuple(norm.residual.shape)}"
-        )
     n_out = n // 2 if swiglu else n
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    residual_mode, norm_a, norm_b = _NORM_MODES[norm.mode] if norm is not None else (0, False, False)
-    wa, wb = (norm.weights if norm.mode != "add_rmsnorm" else (y, *norm.weights)) if norm is not None else (y, y)
-    eps_a, eps_b = (norm.eps if norm.mode != "add_rmsnorm" else (0.0, *norm.eps)) if norm is not None else (0.0, 0.0)
     interpret = _interpret(x)
     pdl = _use_pdl(x)
     with _interpreter_scope(interpret):
@@ -468,14 +405,6 @@ def linear_gemv(
             rope.lo if rope is not None else 0,
             rope.hi if rope is not None else 0,
             n_out,
-            norm.residual if norm is not None else y,
-            wa,
-            wb,
-            norm.h if norm is not None else y,
-            norm.out if norm is not None else y,
-            norm.counter if norm is not None else y,
-            float(eps_a),
-            float(eps_b),
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
@@ -484,53 +413,12 @@ def linear_gemv(
             USE_DOT=use_dot,
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             SWIGLU=swiglu,
-            NORM_BLOCK=triton.next_power_of_2(n) if norm is not None else 0,
-            NORM_A=norm_a,
-            RESIDUAL=residual_mode,
-            NORM_B=norm_b,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
             **_pdl_launch_options(pdl),
         )
     return y.reshape(*x.shape[:-1], n_out)
-
-
-def linear_gemv_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    eps: list[float] | tuple[float, ...],
-    mode: str,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rlt::<mode>(x @ weight.T, residual, *weights, *eps) -> (h, out)`` for one row as one GEMV
-    launch: the grid's last program normalises the output row (``NormEpilogue``). ``mode`` is
-    ``add_rmsnorm`` (one weight and eps) or ``add_rmsnorm2`` / ``add_rmsnorm_rmsnorm`` (two each)."""
-    n = weight.shape[0]
-    if mode not in _NORM_MODES:
-        raise ValueError(f"linear_gemv_norm: unknown mode {mode!r}; expected one of {sorted(_NORM_MODES)}")
-    expected = 1 if mode == "add_rmsnorm" else 2
-    if len(weights) != expected or len(eps) != expected:
-        raise ValueError(
-            f"linear_gemv_norm {mode} takes {expected} norm weight(s) and eps; got {len(weights)}, {len(eps)}"
-        )
-    out_shape = (*x.shape[:-1], n)
-    if tuple(residual.shape) != out_shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual must be {out_shape} {x.dtype}; got {tuple(residual.shape)} {residual.dtype}")
-    for w in weights:
-        if tuple(w.shape) != (n,) or w.dtype != x.dtype:
-            raise ValueError(f"norm weights must be [{n}] {x.dtype}; got {tuple(w.shape)} {w.dtype}")
-    counter = arrival_counters(x.device, 1, "gemv_norm")
-    if counter is None:
-        raise RuntimeError("linear_gemv_norm: no arrival counter on this device yet (first call inside graph capture)")
-    h, out = x.new_empty(out_shape), x.new_empty(out_shape)
-    norm = NormEpilogue(
-        mode, residual.contiguous(), tuple(w.contiguous() for w in weights), tuple(eps), h, out, counter
-    )
-    linear_gemv(x, weight, config, norm=norm)
-    return h, out
 
 
 def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:
@@ -615,34 +503,6 @@ def swiglu_linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return silu_gate_triton(rows).reshape(*y.shape[:-1], y.shape[-1] // 2)
     gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@torch.library.custom_op("rlt::linear_norm_small", mutates_args=())
-def linear_norm_small(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    weights: list[torch.Tensor],
-    eps: list[float],
-    mode: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rlt::<mode>(F.linear(x, weight), residual, *weights, *eps)``, ``mode`` one of the fused norms of
-    ``kernels/rmsnorm.py`` taking a residual: the norm in the Triton GEMV's last program for one CUDA
-    row (``linear_gemv_norm``); otherwise ``rlt::linear_small`` then the norm op."""
-    if (
-        _op_serves(x)
-        and supports_gemv(x, weight)
-        and mode in _NORM_MODES
-        and arrival_counters(x.device, 1, "gemv_norm") is not None
-    ):
-        return linear_gemv_norm(x, weight, residual, weights, eps, mode)
-    return getattr(torch.ops.rlt, mode)(linear_small(x, weight), residual, *weights, *eps)
-
-
-@linear_norm_small.register_fake
-def _linear_norm_small_fake(x, weight, residual, weights, eps, mode):
-    shape = (*x.shape[:-1], weight.shape[0])
-    return x.new_empty(shape), x.new_empty(shape)
 
 
 @swiglu_linear_small.register_fake

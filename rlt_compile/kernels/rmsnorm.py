@@ -91,25 +91,12 @@ def _fused_rmsnorm_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    norm_row(
-        y_ptr + row * stride_y, res_ptr + row * stride_r, wa_ptr, wb_ptr, h_ptr + row * stride_h,
-        out_ptr + row * stride_o, n_cols, eps_a, eps_b, BLOCK, NORM_A, RESIDUAL, NORM_B,
-    )  # fmt: skip
-
-
-@triton.jit
-def norm_row(
-    y_row, res_row, wa_ptr, wb_ptr, h_row, out_row, n_cols, eps_a, eps_b,
-    BLOCK: tl.constexpr, NORM_A: tl.constexpr, RESIDUAL: tl.constexpr, NORM_B: tl.constexpr,
-):  # fmt: skip
-    """One row of ``_fused_rmsnorm_kernel`` (also the epilogue of the GEMV's last program,
-    ``kernels/gemv.py``, hence ``y`` read through L2: other programs of that grid wrote it)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    v = tl.load(y_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    v = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     dtype = v.dtype
     if RESIDUAL == 1:
-        r = tl.load(res_row + offs, mask=mask, other=0.0)
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     if NORM_A:
         xf = v.to(tl.float32)
@@ -117,14 +104,14 @@ def norm_row(
         w = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
     if RESIDUAL == 2:
-        r = tl.load(res_row + offs, mask=mask, other=0.0)
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
-    tl.store(h_row + offs, v, mask=mask)
+    tl.store(h_ptr + row * stride_h + offs, v, mask=mask)
     if NORM_B:
         xf = v.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_b)
         w = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row + offs, (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        tl.store(out_ptr + row * stride_o + offs, (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------

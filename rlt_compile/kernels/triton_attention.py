@@ -737,26 +737,24 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Arrival counters, per device and user: the decode kernel's fused split reduce (one per (token, KV
-# head)) and the decode GEMV's norm epilogue (``kernels/gemv.py``: one per launch). Every launch leaves
-# them at zero (the last arrival resets its counter), so one zeroed buffer serves every launch on the
-# device, in or out of CUDA graphs; launches on one device run in stream order.
+# Arrival counters of the decode kernel's fused split reduce, one per (token, KV head), per device.
+# Every launch leaves them at zero (the last split resets its counter), so one zeroed buffer serves
+# every launch on the device, in or out of CUDA graphs; launches on one device run in stream order.
 _COUNTER_CAPACITY = 1 << 14
-_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device, needed: int, user: str) -> torch.Tensor | None:
-    """The zeroed counters of ``user`` on ``device``, or None (the caller then launches a separate
-    kernel for the last arrival's work) for more than ``_COUNTER_CAPACITY`` counters, or when they do
-    not exist yet during CUDA-graph capture (a buffer allocated there would belong to the graph's
-    memory pool)."""
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The zeroed counters of ``device``, or None (the launch then runs the separate reduce kernel)
+    for more than ``_COUNTER_CAPACITY`` (token, KV head) pairs, or when they do not exist yet during
+    CUDA-graph capture (a buffer allocated there would belong to the graph's memory pool)."""
     if needed > _COUNTER_CAPACITY:
         return None
-    counters = _COUNTERS.get((device, user))
+    counters = _COUNTERS.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        counters = _COUNTERS[device, user] = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
+        counters = _COUNTERS[device] = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
     return counters
 
 
@@ -1113,7 +1111,7 @@ def _attention(
         part_strides = (0, 0, 0, 0, 0)
     counters = None  # the fused split reduce's arrival counters (None: the reduce kernel merges)
     if decode and num_splits > 1 and cfg["fuse_reduce"]:
-        counters = arrival_counters(q.device, num_tokens * num_kv_heads, "split_reduce")
+        counters = _split_counters(q.device, num_tokens * num_kv_heads)
     fuse_reduce = counters is not None
     with _interpreter_scope(interpret):
         if decode:

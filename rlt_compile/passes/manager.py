@@ -96,7 +96,6 @@ class PassManager:
 def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.attention_swap import AttentionSwapPass
     from rlt_compile.passes.dot_precision import DotPrecisionPass
-    from rlt_compile.passes.fuse_gemv_rmsnorm import FuseGemvRMSNormPass
     from rlt_compile.passes.fuse_linears import FuseLinearsPass
     from rlt_compile.passes.fuse_rmsnorm import FuseRMSNormPass
     from rlt_compile.passes.fuse_rope_gemv import FuseRopeGemvPass
@@ -106,7 +105,6 @@ def pass_registry() -> dict[str, type]:
     return {
         "attention_swap": AttentionSwapPass,
         "dot_precision": DotPrecisionPass,
-        "fuse_gemv_rmsnorm": FuseGemvRMSNormPass,
         "fuse_linears": FuseLinearsPass,
         "fuse_rmsnorm": FuseRMSNormPass,
         "fuse_rope_gemv": FuseRopeGemvPass,
