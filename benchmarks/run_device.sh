@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending5|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending6|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -67,19 +67,18 @@ if [[ $what == pending4 ]]; then
     --out "$OUT/engine_profile.md"
   run timeout 180 python3 benchmarks/attention_bench.py --sweep --no-table --out "$OUT/attention_sweep.md"
 fi
-if [[ $what == pending5 ]]; then
-  # session 8: the decode GEMV's SwiGLU-gate and norm epilogues (opt-in passes) against the default passes
-  timeout 130 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_fuse_swiglu_gemv.py \
-    tests/test_fuse_gemv_rmsnorm.py tests/test_fuse_rope_gemv.py tests/test_fuse_rmsnorm.py tests/test_pdl.py \
-    tests/test_graphs_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-  base=attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv
-  bench() { run timeout "$1" python3 -m rlt_compile.bench --eager-steps 0 --compiled-steps 0 "${@:2}"; }
-  bench 100 --model ouro-1.4b,nanbeige4.2-3b,huginn-0125 --out "$OUT/decode_default.md"
-  bench 80 --model ouro-1.4b,nanbeige4.2-3b --passes $base,fuse_swiglu_gemv,fuse_gemv_rmsnorm --profile \
-    --out "$OUT/decode_both.md"
-  bench 100 --model ouro-1.4b,nanbeige4.2-3b,huginn-0125 --passes $base,fuse_gemv_rmsnorm --out "$OUT/decode_norm.md"
-  bench 60 --model ouro-1.4b,nanbeige4.2-3b --passes $base,fuse_swiglu_gemv --out "$OUT/decode_swiglu.md"
+if [[ $what == pending6 ]]; then
+  # session 8: attention GPU tests (the write-kernel rule), decode with the critical-path profile, engine
+  # profiles (default passes; + fuse_swiglu_gemv), the attention table of issue 3
+  timeout 100 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_fuse_swiglu_gemv.py \
+    tests/test_gemv.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  run timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b --eager-steps 1 --compiled-steps 0 \
+    --profile --out "$OUT/decode.md"
   run timeout 80 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
-    --passes $base,fuse_swiglu_gemv,fuse_gemv_rmsnorm --out "$OUT/engine_profile.md"
+    --out "$OUT/engine_profile.md"
+  run timeout 80 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
+    --passes attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv,fuse_swiglu_gemv \
+    --out "$OUT/engine_profile_swiglu.md"
+  run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 exit 0

@@ -374,6 +374,7 @@ def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
         k = by_name.setdefault(evt.name[:60], [0.0, 0])
         k[0] += us
         k[1] += 1
+    critical = critical_path(prof.events(), tokens)
     busy = sum(v[0] for v in totals.values()) / tokens / 1e3
     parts = ", ".join(
         f"{c} {v[0] / tokens / 1e3:.2f} ms ({v[1] // tokens} kernels)"
@@ -383,7 +384,37 @@ def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
         f"{name} x{v[1] // tokens} {v[0] / max(v[1], 1):.1f} us"
         for name, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top_n]
     )
-    return f"profile per token (graphs): GPU busy {busy:.2f} ms: {parts}. Top kernels (count per token, mean): {top}"
+    return (
+        f"profile per token (graphs): GPU busy {busy:.2f} ms: {parts}. Top kernels (count per token, mean): {top}. "
+        f"Critical path per token (end-to-end gaps): {critical}"
+    )
+
+
+def _short_kernel_name(name: str) -> str:
+    return name.strip("_").removesuffix("_kernel").removeprefix("triton_poi_fused_")[:24]
+
+
+def critical_path(events, tokens: int, top_n: int = 12) -> str:
+    """Each kernel's share of the run's time: the gap from the previous kernel's end to its own end.
+    Kernels of one stream finish in order, so the shares add up to the run's span; under PDL a
+    kernel's own duration also counts the time it spent launched early and waiting, which its share
+    does not. A kernel is keyed by its neighbours (``prev > name > next``), so the GEMVs of a layer
+    (same kernel, different weights) are told apart by where they sit."""
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.end
+    )
+    shares: dict[str, list[float]] = {}
+    names = [_short_kernel_name(e.name) for e in kernels]
+    for i in range(1, len(kernels)):
+        key = f"{names[i - 1]} > {names[i]} > {names[i + 1] if i + 1 < len(names) else '-'}"
+        share = shares.setdefault(key, [0.0, 0])
+        share[0] += kernels[i].time_range.end - kernels[i - 1].time_range.end
+        share[1] += 1
+    span = sum(v[0] for v in shares.values())
+    return f"{span / tokens / 1e3:.2f} ms: " + "; ".join(
+        f"{key} x{v[1] / tokens:g} {v[0] / max(v[1], 1):.1f} us ({v[0] / span:.0%})"
+        for key, v in sorted(shares.items(), key=lambda kv: -kv[1][0])[:top_n]
+    )
 
 
 def _fmt(x, spec=".1f", none="-"):

@@ -384,3 +384,25 @@ def test_cuda_compiled_graphs_async_equals_sync(tiny_dirs, monkeypatch, uva):
     b, _ = run(fast, reqs)
     assert _agreement(a, b) >= 0.75
     assert fast.runner.graph_runner.replays > 0
+
+
+def test_critical_path_shares_are_end_to_end_gaps_keyed_by_neighbours():
+    from rlt_compile.bench import critical_path
+
+    # two tokens of "gemv > attn > gemv"; the second gemv was launched early (PDL) and waited
+    events = [
+        _Evt("_gemv_kernel", 0, 10, cuda=True),
+        _Evt("_paged_attention_decode_kernel", 2, 14, cuda=True),
+        _Evt("_gemv_kernel", 5, 20, cuda=True),
+        _Evt("_gemv_kernel", 30, 40, cuda=True),
+        _Evt("_paged_attention_decode_kernel", 32, 44, cuda=True),
+        _Evt("_gemv_kernel", 35, 50, cuda=True),
+        _Evt("cudaGraphLaunch", 0, 60),  # host events are not kernels
+    ]
+    text = critical_path(events, tokens=2)
+    assert text.startswith("0.02 ms: ")  # 40 us from the first kernel's end to the last one's, 2 tokens
+    attention = "paged_attention_decode"
+    assert f"gemv > {attention} > gemv x1 4.0 us (20%)" in text  # 14 - 10 and 44 - 40
+    assert f"{attention} > gemv > gemv x0.5 6.0 us (15%)" in text  # 20 - 14: its wait is not its share
+    assert f"gemv > gemv > {attention} x0.5 20.0 us (50%)" in text  # the idle gap between the tokens
+    assert f"{attention} > gemv > - x0.5 6.0 us (15%)" in text
