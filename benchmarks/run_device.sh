@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending6|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending7|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -80,5 +80,19 @@ if [[ $what == pending6 ]]; then
     --passes attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv,fuse_swiglu_gemv \
     --out "$OUT/engine_profile_swiglu.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
+fi
+if [[ $what == pending7 ]]; then
+  # session 8, final tree: fuse_swiglu_gemv default, norm weights and the first cached K/V tile read
+  # before the PDL wait; A/B of the K/V tile (early_kv=0), engine profiles, GPU tests of the changed parts
+  timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
+    tests/test_fuse_rmsnorm.py tests/test_fuse_swiglu_gemv.py tests/test_graphs_gpu.py tests/test_gemv.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  run timeout 110 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b,huginn-0125 --eager-steps 1 \
+    --compiled-steps 0 --profile --out "$OUT/decode.md"
+  run env RLT_ATTENTION_CONFIG=early_kv=0 timeout 70 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b \
+    --eager-steps 0 --compiled-steps 0 --out "$OUT/decode_late_kv.md"
+  run timeout 80 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
+    --out "$OUT/engine_profile.md"
+  run timeout 60 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 exit 0

@@ -39,15 +39,18 @@ KERNELS = {
     "_silu_gate_kernel",
 }
 # Kernels allowed to read some inputs before the prologue: inputs the previous kernel never writes
-# (the decode GEMV's weights, the decode attention's metadata), so reading them early overlaps the
-# previous kernel's tail.
+# (the decode GEMV's and the norms' weights, the decode attention's metadata), so reading them early
+# overlaps the previous kernel's tail.
 EARLY_READS = {
     "_gemv_kernel": {"w_ptr"},
+    "_fused_rmsnorm_kernel": {"wa_ptr", "wb_ptr"},
     "_paged_attention_decode_kernel": {
         "query_start_ptr",
         "seq_lens_ptr",
         "block_tables_ptr",
         "slot_ptr",
+        "k_cache_ptr",  # the first tile of cached K/V (rows of earlier steps)
+        "v_cache_ptr",
     },
 }
 PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]

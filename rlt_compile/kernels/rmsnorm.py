@@ -27,8 +27,9 @@ The launchers themselves accept CPU tensors and then run Triton's interpreter (t
 only: bf16 is not exact there).
 
 PDL: on CUDA tensors with ``platform.pdl_enabled()`` the kernel is launched with ``launch_pdl`` and
-starts with ``gdc_wait()`` + ``gdc_launch_dependents()`` before any memory access, like the
-attention kernels (``triton_attention``'s module docstring).
+calls ``gdc_wait()`` + ``gdc_launch_dependents()`` before it reads the activations, like the
+attention kernels (``triton_attention``'s module docstring); the norm weights (parameters, which no
+kernel of a step writes) are read before the wait, as the decode GEMV reads its weights.
 """
 
 from __future__ import annotations
@@ -87,12 +88,18 @@ def _fused_rmsnorm_kernel(
 ):
     """Per row: ``v = y``; [RESIDUAL == 1: ``v = r + v``]; [NORM_A: ``v = norm_a(v)``];
     [RESIDUAL == 2: ``v = r + v``]; store ``v`` to ``h``; [NORM_B: store ``norm_b(v)`` to ``out``]."""
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    # The norm weights are parameters, never written by the previous kernel: read them before the
+    # PDL wait, so their latency overlaps the previous kernel instead of following the reduction.
+    if NORM_A:
+        w_a = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM_B:
+        w_b = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading activations
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
     v = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     dtype = v.dtype
     if RESIDUAL == 1:
@@ -101,8 +108,7 @@ def _fused_rmsnorm_kernel(
     if NORM_A:
         xf = v.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_a)
-        w = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
+        v = (w_a * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
     if RESIDUAL == 2:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
@@ -110,8 +116,7 @@ def _fused_rmsnorm_kernel(
     if NORM_B:
         xf = v.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_b)
-        w = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        tl.store(out_ptr + row * stride_o + offs, (w_b * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ computes output ``j`` of the gate half and of the up half together (``kernels/ge
 ``silu(gate_j) * up_j`` only. For one CUDA row the op runs that kernel; for more CUDA rows
 (batch buckets, prefill) cuBLAS then one gating kernel, the kernel count Inductor had; on the CPU
 ``F.linear`` and the eager gate. (Folding the gate into the *down* GEMV instead, ``gemv_swap_swiglu``,
-made every program re-read the whole gate/up row and was slower.)
+made every program re-read the whole gate/up row and was slower.) A default pass since its H200
+measurement: batch-1 decode even (Ouro-1.4B 4.386 -> 4.381 ms/token), the engine's async decode steps
+1-2.4% faster at batch 1 / 32 / 128 (docs/benchmarks.md, session 8).
 """
 
 from __future__ import annotations

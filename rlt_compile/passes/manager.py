@@ -121,6 +121,7 @@ DEFAULT_PASSES: tuple[str, ...] = (
     "fuse_rmsnorm",
     "gemv_swap",
     "fuse_rope_gemv",
+    "fuse_swiglu_gemv",
 )
 
 
