@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending7|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending8|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -94,5 +94,12 @@ if [[ $what == pending7 ]]; then
   run timeout 80 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
     --out "$OUT/engine_profile.md"
   run timeout 60 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
+fi
+if [[ $what == pending8 ]]; then
+  # session 8: decode attention's split/tile choice at batch 1 end to end (Ouro-1.4B, context 128)
+  for cfg in "" splits=1 splits=2 block_n=128 splits=1,block_n=128 waves=1; do
+    run env RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 --out "$OUT/ouro_attn_${cfg:-default}.md"
+  done
 fi
 exit 0
