@@ -99,7 +99,7 @@ if [[ $what == pending8 ]]; then
   # session 8: decode attention's split/tile choice at batch 1 end to end (Ouro-1.4B, context 128)
   for cfg in "" splits=1 splits=2 block_n=128 splits=1,block_n=128 waves=1; do
     run env RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
-      --compiled-steps 0 --out "$OUT/ouro_attn_${cfg:-default}.md"
+      --compiled-steps 0 --out "$OUT/ouro_attn_$(echo "${cfg:-default}" | tr '=,' '__').md"
   done
 fi
 exit 0
