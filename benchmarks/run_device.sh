@@ -97,7 +97,9 @@ if [[ $what == pending7 ]]; then
 fi
 if [[ $what == pending8 ]]; then
   # session 8: decode attention's split/tile choice at batch 1 end to end (Ouro-1.4B, context 128)
-  for cfg in "" splits=1 splits=2 block_n=128 splits=1,block_n=128 waves=1; do
+  timeout 60 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k decode \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  for cfg in "" splits=1 splits=2 block_n=128; do
     run env RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 --out "$OUT/ouro_attn_$(echo "${cfg:-default}" | tr '=,' '__').md"
   done

@@ -49,8 +49,6 @@ EARLY_READS = {
         "seq_lens_ptr",
         "block_tables_ptr",
         "slot_ptr",
-        "k_cache_ptr",  # the first tile of cached K/V (rows of earlier steps)
-        "v_cache_ptr",
     },
 }
 PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]

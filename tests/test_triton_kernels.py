@@ -358,7 +358,6 @@ def test_decode_kernel_fp16(heads, split_k, fused):
         {"block_n": 16, "splits": 8, "waves": 4},  # more splits than the short sequences have tiles
         {"warps": 2, "stages": 2, "reduce_warps": 1, "splits": 2},
         {"prefetch": False, "splits": 2},
-        {"early_kv": False, "splits": 2},  # the first cached K/V tile read after the PDL wait
         {"early_reads": False},
         {"fuse_write": False, "splits": 4},
         {"decode": False},  # decode shapes through the unified kernel

@@ -447,15 +447,12 @@ def _paged_attention_decode_kernel(
     FUSE_WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
     EARLY_READS: tl.constexpr,
-    EARLY_KV: tl.constexpr,
     PREFETCH: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # EARLY_READS: the metadata (sequence, context split, slot, the first tile's block-table entries)
     # is read before the PDL wait, while the previous kernel finishes: no kernel of a step writes it.
-    # EARLY_KV (with EARLY_READS, so with the write fused): the first tile of cached K/V too; the loop
-    # reads only positions below ctx_len, rows that earlier steps wrote (this step's row comes from k/v).
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -469,14 +466,6 @@ def _paged_attention_decode_kernel(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
             BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
-        if EARLY_KV:
-            k_first, v_first, first_valid = _cache_tile(
-                k_cache_ptr, v_cache_ptr, block, kv_lo, cache_hi, offs_n, offs_d, d_mask, head_off,
-                stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
-            )  # fmt: skip
-            if PREFETCH:
-                nxt = kv_lo + BLOCK_N + offs_n
-                block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < cache_hi, other=0).to(tl.int64)
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading its outputs
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -515,24 +504,17 @@ def _paged_attention_decode_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    loop_lo = kv_lo
-    if EARLY_KV:  # the first tile, read before the wait
-        if kv_lo < cache_hi:
-            m_i, l_i, acc = _decode_tile(
-                q, k_first, v_first, first_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION
-            )
-        loop_lo = kv_lo + BLOCK_N
     # PREFETCH: the block-table entries of the next tile are loaded while this tile's K/V are in
     # flight, so each iteration waits for one memory round trip instead of two.
-    for start in range(loop_lo, cache_hi, BLOCK_N):
+    for start in range(kv_lo, cache_hi, BLOCK_N):
         pos = start + offs_n
         n_valid = pos < cache_hi
         if not PREFETCH:
             block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        k, v, n_valid = _cache_tile(
-            k_cache_ptr, v_cache_ptr, block, start, cache_hi, offs_n, offs_d, d_mask, head_off,
-            stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
-        )  # fmt: skip
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
         if PREFETCH:
             nxt = pos + BLOCK_N
             block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < cache_hi, other=0).to(tl.int64)
@@ -583,22 +565,6 @@ def _paged_attention_decode_kernel(
                     )  # fmt: skip
                     o_row = out_ptr + t64 * stride_ot + h * stride_oh + offs_d * stride_od
                     tl.store(o_row, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _cache_tile(
-    k_cache_ptr, v_cache_ptr, block, start, cache_hi, offs_n, offs_d, d_mask, head_off,
-    stride_cb, stride_cs, stride_cd, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
-    """The decode kernel's K/V tile of cached positions ``start + offs_n`` (below ``cache_hi``) from
-    their blocks ``block``: ``(k, v, valid)``, zeros where not valid."""
-    pos = start + offs_n
-    valid = pos < cache_hi
-    kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
-    return k, v, valid
 
 
 def _split_reduce_kernel(
@@ -915,14 +881,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     38.7 vs 25.1 at 8k). Checked with ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots
     (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
-    cfg = {
-        "use_dot": not mha,
-        "waves": 2,
-        "prefetch": True,
-        "fuse_reduce": mha,
-        "early_reads": True,
-        "early_kv": True,
-    }
+    cfg = {"use_dot": not mha, "waves": 2, "prefetch": True, "fuse_reduce": mha, "early_reads": True}
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
     elif dtype == torch.float32:
@@ -951,7 +910,6 @@ CONFIG_KEYS = frozenset(
         "prefetch",
         "fuse_reduce",
         "early_reads",
-        "early_kv",
         "reduce_warps",
         "mask_split",
         "pad_group",
@@ -1194,7 +1152,6 @@ def _attention(
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=fuse and bool(cfg["early_reads"]),
-                EARLY_KV=fuse and bool(cfg["early_reads"]) and bool(cfg["early_kv"]),
                 PREFETCH=bool(cfg["prefetch"]),
                 PRECISION=precision,
                 USE_PDL=pdl,
