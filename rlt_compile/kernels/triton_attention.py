@@ -1023,9 +1023,10 @@ def attention_forward(
     is fused into the attention kernel (``config["fuse_write"]``; default: while the (sequence, KV
     head) programs fit in two waves): the program of (token, KV head, split 0) stores the new row, and
     every split reads this step's keys from ``k``/``v`` directly, so no program depends on another's
-    store. Otherwise ``kv_write_triton`` runs first: measured on the H200, the fused write is 7-10%
-    faster at batch 1 and about even at Nanbeige batch 32, but at batch 128 (1024 programs, GQA) the
-    separate write kernel is 1.07-1.18x faster (docs/benchmarks.md, session 7)."""
+    store. Otherwise ``kv_write_triton`` runs first. Measured on the H200 (docs/benchmarks.md, session
+    7): the fused write wins at batch 1 (up to 1.17x at 8k context, within 5% either way at 128) and
+    at Nanbeige batch 32 (1.07x at 128), but at batch 128 (GQA: 1024 programs) the separate write
+    kernel is 1.07-1.18x faster."""
     config = _check_config(config)
     kv_heads = kv_cache.shape[3]
     sms = _sm_count(q.device)
