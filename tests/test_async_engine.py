@@ -313,6 +313,25 @@ def test_engine_profile_smoke_on_cpu(tmp_path):
     assert "| 3 | async |" in out.read_text()
 
 
+def test_engine_profile_compiles_with_the_passes_asked_for(tmp_path, monkeypatch):
+    from rlt_compile import bench, compiler
+
+    seen = []
+    real = compiler.compile_model
+
+    def spy(model, **options):
+        seen.append(options.get("passes"))
+        return real(model, **options)
+
+    monkeypatch.setattr(compiler, "compile_model", spy)
+    out = tmp_path / "profile.md"
+    argv = ["--engine-profile", "--device", "cpu", "--tiny", "--dtype", "float32", "--batches", "1"]
+    argv += ["--engine-mode", "compiled", "--engine-steps", "2", "--passes", "attention_swap", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert seen == [["attention_swap"]]
+    assert "passes: attention_swap;" in out.read_text()
+
+
 class _Evt:
     def __init__(self, name, start, end, cuda=False):
         self.name = name
