@@ -83,7 +83,9 @@ if [[ $what == pending6 ]]; then
 fi
 if [[ $what == pending7 ]]; then
   # session 8, final tree: fuse_swiglu_gemv default, norm weights and the first cached K/V tile read
-  # before the PDL wait; A/B of the K/V tile (early_kv=0), engine profiles, GPU tests of the changed parts
+  # before the PDL wait; A/B of the K/V tile (early_kv=0), engine profiles, GPU tests of the changed parts.
+  # Ran at commit cde7dce: the early K/V tile was then reverted, so RLT_ATTENTION_CONFIG=early_kv=0 is
+  # rejected as an unknown key on later trees.
   timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
     tests/test_fuse_rmsnorm.py tests/test_fuse_swiglu_gemv.py tests/test_graphs_gpu.py tests/test_gemv.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -5

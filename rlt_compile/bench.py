@@ -360,7 +360,8 @@ def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
         run()
     totals: dict[str, list[float]] = {}
     by_name: dict[str, list[float]] = {}
-    for evt in prof.events():
+    events = prof.events()
+    for evt in events:
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = evt.name.lower()
@@ -374,7 +375,7 @@ def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
         k = by_name.setdefault(evt.name[:60], [0.0, 0])
         k[0] += us
         k[1] += 1
-    critical = critical_path(prof.events(), tokens)
+    critical = critical_path(events, tokens)
     busy = sum(v[0] for v in totals.values()) / tokens / 1e3
     parts = ", ".join(
         f"{c} {v[0] / tokens / 1e3:.2f} ms ({v[1] // tokens} kernels)"

@@ -75,6 +75,7 @@ __all__ = [
     "attention_triton",
     "choose_decode_splits",
     "choose_num_splits",
+    "fits_two_waves",
     "kv_write_triton",
     "paged_attention_triton",
     "uses_decode_kernel",
@@ -946,6 +947,13 @@ def _split_count(split_k, config: dict, auto: Callable[[], int]) -> int:
     return min(triton.next_power_of_2(num_splits), _MAX_SPLITS)
 
 
+def fits_two_waves(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode batch's (sequence, KV head) programs fit in two waves of the SMs: the
+    measured boundary for MHA's kernel choice (``uses_decode_kernel``) and the fused KV write
+    (``attention_forward``)."""
+    return num_seqs * num_kv_heads <= 2 * num_sms
+
+
 def uses_decode_kernel(
     num_tokens: int,
     num_seqs: int,
@@ -968,7 +976,7 @@ def uses_decode_kernel(
     if num_tokens != num_seqs:
         return False
     if group == 1 and num_kv_heads is not None and num_sms is not None:
-        return num_seqs * num_kv_heads <= 2 * num_sms
+        return fits_two_waves(num_seqs, num_kv_heads, num_sms)
     return True
 
 
@@ -1030,7 +1038,7 @@ def attention_forward(
     config = _check_config(config)
     kv_heads = kv_cache.shape[3]
     sms = _sm_count(q.device)
-    fuse = config.get("fuse_write", seq_lens.shape[0] * kv_heads <= 2 * sms) and uses_decode_kernel(
+    fuse = config.get("fuse_write", fits_two_waves(seq_lens.shape[0], kv_heads, sms)) and uses_decode_kernel(
         q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, sms
     )
     if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
