@@ -163,13 +163,14 @@ def test_pass_is_off_where_the_gemv_cannot_prefetch(pdl, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("evict_first", [False, True])
-def test_gpu_prefetching_gemvs_give_the_same_bits(evict_first):
+@pytest.mark.parametrize("pf_programs", [0, 8])
+def test_gpu_prefetching_gemvs_give_the_same_bits(evict_first, pf_programs):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(6144, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     later = torch.randn(11264, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
     ranges = [(later, 0, 8 << 20), (later, 8 << 20, 1 << 20), (w, 4096, 12345)]
-    cfg = {"evict_first": evict_first}
+    cfg = {"evict_first": evict_first, "pf_programs": pf_programs}
     assert gemv.supports_l2_prefetch(x) == (torch.cuda.get_device_capability()[0] >= 9)
     for kwargs in ({}, {"swiglu": True}):
         want = gemv.linear_gemv(x, w, **kwargs)

@@ -122,7 +122,17 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
         w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
-    if NUM_PF > 0:  # the last PF_PROGRAMS programs ask L2 for the next GEMVs' weights (no data dependency)
+    if NUM_PF > 0 and PF_PROGRAMS == 0:  # every program asks L2 for a few lines of the next weights
+        line = pid * _PF_LINE_LANES + tl.arange(0, _PF_LINE_LANES)
+        lanes = tl.num_programs(0) * _PF_LINE_LANES
+        _l2_prefetch_lines(pf_a0, pf_n0, line, lanes)
+        if NUM_PF > 1:
+            _l2_prefetch_lines(pf_a1, pf_n1, line, lanes)
+        if NUM_PF > 2:
+            _l2_prefetch_lines(pf_a2, pf_n2, line, lanes)
+        if NUM_PF > 3:
+            _l2_prefetch_lines(pf_a3, pf_n3, line, lanes)
+    if NUM_PF > 0 and PF_PROGRAMS > 0:  # the last PF_PROGRAMS programs issue bulk L2 prefetches
         first_pf = tl.num_programs(0) - PF_PROGRAMS
         if pid >= first_pf:
             lane = (pid - first_pf) * _PF_LANES + tl.arange(0, _PF_LANES)
@@ -190,6 +200,25 @@ def _l2_prefetch(addr, nbytes, lane, LANES: tl.constexpr):
             "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r",
             [addr + off, size],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+_PF_LINE_LANES: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def _l2_prefetch_lines(addr, nbytes, line, lanes):
+    """Ask L2 for the 128-byte lines of ``[addr, addr + nbytes)``, one per lane and instruction, the
+    lanes of all programs taking consecutive lines (``prefetch.global.L2::evict_last``, sm_80+)."""
+    for start in range(0, nbytes, lanes * 128):
+        off = start + line.to(tl.int64) * 128
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [addr + off, (off < nbytes).to(tl.int32)],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -521,7 +550,7 @@ def linear_gemv(
             SWIGLU=swiglu,
             USE_PDL=pdl,
             NUM_PF=num_pf,
-            PF_PROGRAMS=min(grid, int(cfg["pf_programs"])),
+            PF_PROGRAMS=min(grid, int(cfg["pf_programs"])),  # 0: every program, per-line prefetches
             EVICT_FIRST=bool(cfg["evict_first"]),
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
