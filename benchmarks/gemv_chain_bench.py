@@ -39,7 +39,6 @@ from rlt_compile.kernels.triton_attention import (
     _use_pdl,
     attention_forward,
 )
-from rlt_compile.passes.prefetch_weights import plan_l2_prefetch
 
 
 def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
@@ -117,15 +116,6 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None):
     return h
 
 
-def prefetch_ranges(layers, mib: int) -> dict[int, list]:
-    """weight data_ptr -> the ``linear_gemv(prefetch=...)`` ranges of ``prefetch_weights``' plan for the
-    chain's weight stream (q/k/v, o, gate/up, down per layer) at a lookahead of ``mib`` MiB."""
-    weights = [p[name] for p in layers for name in ("qkv", "o", "gu", "down")]
-    sizes = [w.numel() * w.element_size() for w in weights]
-    plan = plan_l2_prefetch(sizes, mib << 20)
-    return {w.data_ptr(): [(weights[j], start, n) for j, start, n in ranges] for w, ranges in zip(weights, plan)}
-
-
 def time_graph(fn, reps):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -150,18 +140,12 @@ def time_graph(fn, reps):
     return sorted(times)[len(times) // 2]
 
 
-def candidates(smoke: bool, grid: str, lookaheads: list[int], pf_programs: list[int]):
-    """cuBLAS, the default config, no prefetch, L2 prefetch of later weights per lookahead (MiB) and
-    number of issuing programs (with and without ``evict_first``), then every
-    ``block_n:block_k:warps:stages`` combination of ``grid`` (comma-separated values per field)."""
+def candidates(smoke: bool, grid: str):
+    """cuBLAS, the default config, no prefetch, then every ``block_n:block_k:warps:stages`` combination
+    of ``grid`` (comma-separated values per field)."""
     yield "cublas", None
     yield "gemv default", {}
     yield "gemv no prefetch", {"prefetch": False}
-    for mib, programs in itertools.product(lookaheads, pf_programs):
-        yield f"gemv + L2 {mib} MiB p{programs}", {"l2": mib, "pf_programs": programs}
-        yield f"gemv + L2 {mib} MiB p{programs} evict_first", {"l2": mib, "pf_programs": programs, "evict_first": True}
-    if not grid:
-        return
     for block_n in (2, 4, 8):  # the SwiGLU gate folded into the down GEMV (gemv_swap's pattern 2)
         yield f"gemv + silu fold (down n{block_n})", {"fold": {"block_n": block_n}}
     if smoke:
@@ -189,8 +173,6 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--grid", default="1,2,4:1024,2048:2,4:2,3,4", help="block_n:block_k:warps:stages values to sweep"
     )
-    parser.add_argument("--l2-lookahead", default="", help="comma list of L2 prefetch lookaheads in MiB to time")
-    parser.add_argument("--pf-programs", default="8", help="comma list: programs per GEMV issuing the L2 prefetch")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -209,19 +191,16 @@ def main(argv=None) -> int:
     ref = chain(x, layers, F.linear, caches, meta, heads, dim, args.gemv_only)
 
     rows = []
-    lookaheads = [int(v) for v in args.l2_lookahead.split(",") if v]
-    pf_programs = [int(v) for v in args.pf_programs.split(",") if v]
-    for name, cfg in candidates(args.smoke, args.grid, lookaheads, pf_programs):
+    for name, cfg in candidates(args.smoke, args.grid):
         fold = None
         if cfg is None:
             linear = F.linear
         else:
             cfg = dict(cfg)
             fold_cfg = cfg.pop("fold", None)
-            ranges = prefetch_ranges(layers, cfg.pop("l2", 0))
 
-            def linear(a, w, cfg=cfg, ranges=ranges):
-                return gemv_mod.linear_gemv(a, w, cfg, prefetch=ranges.get(w.data_ptr()))
+            def linear(a, w, cfg=cfg):
+                return gemv_mod.linear_gemv(a, w, cfg)
 
             if fold_cfg is not None:
 

@@ -22,11 +22,6 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              ``config`` (keys in ``triton_attention.CONFIG_KEYS``, e.g.
                              ``fuse_reduce=0,early_reads=0``), under any config a caller passes: for tuning
                              and A/B runs of whole models (``bench``) without code changes.
-    RLT_GEMV_CONFIG          ``key=int,...`` (default empty). Overrides of the decode GEMV's tile config
-                             (``kernels/gemv.py: gemv_config`` keys, e.g. ``evict_first=1,pf_programs=16``),
-                             for A/B runs of whole models like ``RLT_ATTENTION_CONFIG``.
-    RLT_L2_PREFETCH_MB       integer (default 32). How far ahead of the weight stream the ``prefetch_weights``
-                             pass makes each decode GEMV ask L2 for later GEMVs' weights, in MiB (0 = off).
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
                              "triton" to the CPU platform's backend order.
 
@@ -49,8 +44,6 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RLT_COPY_STREAM": ("1", "1|0: H2D input copies on a side stream (0 = on the compute stream)"),
     "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
     "RLT_ATTENTION_CONFIG": ("", "key=int,...: default Triton attention launcher config (tuning)"),
-    "RLT_GEMV_CONFIG": ("", "key=int,...: decode GEMV config overrides (tuning)"),
-    "RLT_L2_PREFETCH_MB": ("32", "MiB of weights the prefetch_weights pass asks L2 for ahead of each GEMV"),
     "TRITON_INTERPRET": ("0", "1 = run Triton kernels in the CPU interpreter"),
 }
 
@@ -102,9 +95,10 @@ def rlt_attention_backend() -> str:
     return get("RLT_ATTENTION_BACKEND")
 
 
-def _key_int_pairs(name: str) -> dict[str, int]:
-    """A ``key=int,...`` knob parsed: ``"fuse_reduce=0, waves=4"`` -> ``{"fuse_reduce": 0, "waves": 4}``."""
-    raw = os.environ.get(name, "")
+def rlt_attention_config() -> dict[str, int]:
+    """``RLT_ATTENTION_CONFIG`` parsed: ``"fuse_reduce=0, waves=4"`` -> ``{"fuse_reduce": 0, "waves": 4}``
+    (keys are checked by the attention launcher)."""
+    raw = os.environ.get("RLT_ATTENTION_CONFIG", "")
     config: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, sep, value = item.partition("=")
@@ -114,29 +108,9 @@ def _key_int_pairs(name: str) -> dict[str, int]:
         except ValueError:
             number = None
         if not sep or not key or number is None:
-            raise ValueError(f"{name} must be key=int pairs separated by commas, got {raw!r}")
+            raise ValueError(f"RLT_ATTENTION_CONFIG must be key=int pairs separated by commas, got {raw!r}")
         config[key] = number
     return config
-
-
-def rlt_attention_config() -> dict[str, int]:
-    """``RLT_ATTENTION_CONFIG`` parsed (keys are checked by the attention launcher)."""
-    return _key_int_pairs("RLT_ATTENTION_CONFIG")
-
-
-def rlt_gemv_config() -> dict[str, int]:
-    """``RLT_GEMV_CONFIG`` parsed (keys are checked by ``gemv_config``)."""
-    return _key_int_pairs("RLT_GEMV_CONFIG")
-
-
-def rlt_l2_prefetch_mb() -> int:
-    """``RLT_L2_PREFETCH_MB`` as a non-negative int."""
-    value = get("RLT_L2_PREFETCH_MB")
-    if not value.isdigit():
-        raise ValueError(
-            f"RLT_L2_PREFETCH_MB must be a non-negative integer, got {os.environ.get('RLT_L2_PREFETCH_MB')!r}"
-        )
-    return int(value)
 
 
 def triton_interpret() -> bool:

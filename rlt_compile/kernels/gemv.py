@@ -22,8 +22,6 @@ graphs with any batch bucket stay valid; the ``gemv_swap`` pass puts it in place
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +29,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlt_compile import envs
 from rlt_compile.kernels.reference import apply_rope_half
 from rlt_compile.kernels.triton_attention import (
     _interpret,
@@ -42,7 +39,6 @@ from rlt_compile.kernels.triton_attention import (
 )
 
 __all__ = [
-    "L2_PREFETCH_RANGES",
     "MAX_ROWS",
     "RopeColumns",
     "gemv_config",
@@ -54,7 +50,6 @@ __all__ = [
     "silu_gate_triton",
     "silu_mul_linear_small",
     "supports_gemv",
-    "supports_l2_prefetch",
     "swiglu_linear_small",
     "supports_rope",
 ]
@@ -83,14 +78,6 @@ def _gemv_kernel(
     rope_lo,
     rope_hi,
     swiglu_half,
-    pf_a0,
-    pf_n0,
-    pf_a1,
-    pf_n1,
-    pf_a2,
-    pf_n2,
-    pf_a3,
-    pf_n3,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -100,9 +87,6 @@ def _gemv_kernel(
     ROPE_HALF: tl.constexpr,
     SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
-    NUM_PF: tl.constexpr,
-    PF_PROGRAMS: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,27 +106,6 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
         w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
-    if NUM_PF > 0 and PF_PROGRAMS == 0:  # every program asks L2 for a few lines of the next weights
-        line = pid * _PF_LINE_LANES + tl.arange(0, _PF_LINE_LANES)
-        lanes = tl.num_programs(0) * _PF_LINE_LANES
-        _l2_prefetch_lines(pf_a0, pf_n0, line, lanes)
-        if NUM_PF > 1:
-            _l2_prefetch_lines(pf_a1, pf_n1, line, lanes)
-        if NUM_PF > 2:
-            _l2_prefetch_lines(pf_a2, pf_n2, line, lanes)
-        if NUM_PF > 3:
-            _l2_prefetch_lines(pf_a3, pf_n3, line, lanes)
-    if NUM_PF > 0 and PF_PROGRAMS > 0:  # the last PF_PROGRAMS programs issue bulk L2 prefetches
-        first_pf = tl.num_programs(0) - PF_PROGRAMS
-        if pid >= first_pf:
-            lane = (pid - first_pf) * _PF_LANES + tl.arange(0, _PF_LANES)
-            _l2_prefetch(pf_a0, pf_n0, lane, PF_PROGRAMS * _PF_LANES)
-            if NUM_PF > 1:
-                _l2_prefetch(pf_a1, pf_n1, lane, PF_PROGRAMS * _PF_LANES)
-            if NUM_PF > 2:
-                _l2_prefetch(pf_a2, pf_n2, lane, PF_PROGRAMS * _PF_LANES)
-            if NUM_PF > 3:
-                _l2_prefetch(pf_a3, pf_n3, lane, PF_PROGRAMS * _PF_LANES)
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -161,12 +124,7 @@ def _gemv_kernel(
     for k0 in range(start, K, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
-        if EVICT_FIRST:  # streamed once per token: let these lines go before prefetched ones
-            w = tl.load(
-                w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first"
-            )
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
         acc += _tile_product(x, w, USE_DOT)
     if BLOCK_M == 1:
@@ -182,47 +140,6 @@ def _gemv_kernel(
     else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-_PF_LANES: tl.constexpr = tl.constexpr(128)
-_PF_CHUNK: tl.constexpr = tl.constexpr(16384)  # bytes per bulk prefetch instruction
-
-
-@triton.jit
-def _l2_prefetch(addr, nbytes, lane, LANES: tl.constexpr):
-    """Ask L2 for the bytes ``[addr, addr + nbytes)`` (16-byte aligned), ``_PF_CHUNK`` per lane and
-    instruction; the loads are fire-and-forget, so the program does not wait for them."""
-    for start in range(0, nbytes, LANES * _PF_CHUNK):
-        off = start + lane.to(tl.int64) * _PF_CHUNK
-        size = tl.minimum(tl.maximum(nbytes - off, 0), _PF_CHUNK).to(tl.int32)
-        # one bulk L2 prefetch of [$1, $1 + $2) (sm_90+, PTX 8.0), none for a size of 0; $0 is a dummy
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [addr + off, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-_PF_LINE_LANES: tl.constexpr = tl.constexpr(32)
-
-
-@triton.jit
-def _l2_prefetch_lines(addr, nbytes, line, lanes):
-    """Ask L2 for the 128-byte lines of ``[addr, addr + nbytes)``, one per lane and instruction, the
-    lanes of all programs taking consecutive lines (``prefetch.global.L2::evict_last``, sm_80+)."""
-    for start in range(0, nbytes, lanes * 128):
-        off = start + line.to(tl.int64) * 128
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [addr + off, (off < nbytes).to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -327,66 +244,22 @@ def _rope_columns_kernel(
     tl.store(y_row + cols + HALF, rb.to(a.dtype), mask=mask)
 
 
-# L2 prefetch of later weights (``linear_gemv(prefetch=...)``): how many of the grid's last programs
-# issue it, and whether the GEMV's own weight loads (after the first tile) carry ``evict_first``.
-_PF_DEFAULTS = {"pf_programs": 8, "evict_first": False}
-_ENV_KEYS = ("block_n", "block_k", "warps", "stages", "prefetch", "pf_programs", "evict_first")
-L2_PREFETCH_RANGES = 4  # at most this many (tensor, start, length) ranges per GEMV
-
-
-@functools.cache
-def _bulk_prefetch_device(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def supports_l2_prefetch(t: torch.Tensor) -> bool:
-    """Whether the GEMV can issue bulk L2 prefetches for ``t``'s device: NVIDIA sm_90+ (``cp.async.bulk
-    .prefetch.L2``), not under Triton's interpreter. Elsewhere ``prefetch`` is ignored (it is a hint)."""
-    return t.is_cuda and not _interpret(t) and _bulk_prefetch_device(t.device.index or 0)
-
-
-def _prefetch_args(prefetch, enabled: bool) -> list[int]:
-    """Flat ``[addr0, n0, addr1, n1, ...]`` (``L2_PREFETCH_RANGES`` pairs, unused ones 0) from
-    ``(tensor, start byte, byte length)`` ranges, each clipped to its tensor and to 16-byte bounds."""
-    if prefetch and len(prefetch) > L2_PREFETCH_RANGES:
-        raise ValueError(f"at most {L2_PREFETCH_RANGES} prefetch ranges per GEMV, got {len(prefetch)}")
-    flat: list[int] = []
-    for t, start, length in prefetch or () if enabled else ():
-        size = t.numel() * t.element_size()
-        if start < 0 or length < 0 or start + length > size:
-            raise ValueError(f"prefetch range [{start}, {start + length}) outside a tensor of {size} bytes")
-        lo = t.data_ptr() + start
-        hi = t.data_ptr() + start + length
-        lo, hi = (lo + 15) // 16 * 16, hi // 16 * 16
-        if hi > lo:
-            flat += [lo, hi - lo]
-    return flat + [0] * (2 * L2_PREFETCH_RANGES - len(flat))
-
-
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
     """Tiles from shapes only (CUDA-graph safe). One row: no ``tl.dot``, 2 output columns per program
     and a 1024-long run of each weight row per load (the best of a sweep on the H200 decode chain,
     docs/benchmarks.md). More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
-    ``block_n x block_k``. ``RLT_GEMV_CONFIG`` overrides the one-row GPU config (``envs``)."""
+    ``block_n x block_k``."""
     dot = m > 1
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
-        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot, **_PF_DEFAULTS}
+        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot}
     if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
     else:
         block_n, block_k = 2, (1024 if dtype != torch.float32 else 256)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    config = {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
-    config.update(_PF_DEFAULTS)
-    if not dot:  # RLT_GEMV_CONFIG: one-row overrides for A/B runs of whole models
-        overrides = envs.rlt_gemv_config()
-        unknown = set(overrides) - set(_ENV_KEYS)
-        if unknown:
-            raise ValueError(f"RLT_GEMV_CONFIG keys must be among {_ENV_KEYS}, got {sorted(unknown)}")
-        config.update(overrides)
-    return config
+    return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
 
 
 @dataclass(frozen=True)
@@ -476,16 +349,12 @@ def linear_gemv(
     silu_mul: bool = False,
     rope: RopeColumns | None = None,
     swiglu: bool = False,
-    prefetch: Sequence[tuple[torch.Tensor, int, int]] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows);
     with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``; with
     ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``; with
     ``swiglu`` (one row only, ``weight`` a gate/up pair ``[2I, K]``, gate rows first), ``silu(gate) *
-    up`` of the two halves of the output, ``[..., I]``. ``prefetch``: ``(tensor, start byte, byte
-    length)`` ranges (at most ``L2_PREFETCH_RANGES``) that the grid's last programs ask the L2 cache
-    for, without waiting (NVIDIA sm_90+ only; a hint, ignored elsewhere): the weights of the GEMVs
-    that follow, so they stream from HBM while latency-bound kernels run."""
+    up`` of the two halves of the output, ``[..., I]``."""
     if rope is not None and not supports_rope(x, weight, rope):
         raise ValueError(
             f"linear_gemv with rope needs one row, a column range [lo, hi) of whole heads inside the output "
@@ -519,11 +388,8 @@ def linear_gemv(
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     interpret = _interpret(x)
     pdl = _use_pdl(x)
-    grid = triton.cdiv(n, cfg["block_n"])
-    pf = _prefetch_args(prefetch, bool(prefetch) and supports_l2_prefetch(x))
-    num_pf = sum(1 for size in pf[1::2] if size)
     with _interpreter_scope(interpret):
-        _kernel(_gemv_kernel, interpret)[(grid,)](
+        _kernel(_gemv_kernel, interpret)[(triton.cdiv(n, cfg["block_n"]),)](
             x2,
             weight,
             y,
@@ -539,7 +405,6 @@ def linear_gemv(
             rope.lo if rope is not None else 0,
             rope.hi if rope is not None else 0,
             n_out,
-            *pf,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
@@ -549,9 +414,6 @@ def linear_gemv(
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             SWIGLU=swiglu,
             USE_PDL=pdl,
-            NUM_PF=num_pf,
-            PF_PROGRAMS=min(grid, int(cfg["pf_programs"])),  # 0: every program, per-line prefetches
-            EVICT_FIRST=bool(cfg["evict_first"]),
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
             **_pdl_launch_options(pdl),
@@ -586,82 +448,40 @@ def _op_serves(x: torch.Tensor) -> bool:
     return x.is_cuda and x.numel() <= OP_MAX_ROWS * x.shape[-1]
 
 
-def _ranges(prefetch: list[torch.Tensor] | None, prefetch_ranges: list[int] | None) -> list | None:
-    """The ops' ``prefetch`` tensors and flat ``[start, length, ...]`` byte ranges as ``linear_gemv``'s
-    ``(tensor, start, length)`` triples."""
-    if not prefetch:
-        return None
-    if prefetch_ranges is None or len(prefetch_ranges) != 2 * len(prefetch):
-        raise ValueError(f"prefetch_ranges needs a (start, length) pair per prefetch tensor, got {prefetch_ranges}")
-    return [(t, prefetch_ranges[2 * i], prefetch_ranges[2 * i + 1]) for i, t in enumerate(prefetch)]
-
-
-_SCHEMA = "({}, Tensor[]? prefetch=None, int[]? prefetch_ranges=None) -> Tensor"
-# Every GEMV op takes the same optional L2 prefetch (``prefetch_weights`` pass): tensors and a flat list
-# of (start byte, byte length) pairs, one pair per tensor; only the one-row Triton path uses them.
-
-
-@torch.library.custom_op("rlt::linear_small", mutates_args=(), schema=_SCHEMA.format("Tensor x, Tensor weight"))
-def linear_small(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    prefetch: list[torch.Tensor] | None = None,
-    prefetch_ranges: list[int] | None = None,
-) -> torch.Tensor:
+@torch.library.custom_op("rlt::linear_small", mutates_args=())
+def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias): the Triton GEMV for decode-sized CUDA inputs, else ``F.linear``."""
-    ranges = _ranges(prefetch, prefetch_ranges)
     if _op_serves(x) and supports_gemv(x, weight):
-        return linear_gemv(x, weight, prefetch=ranges)
+        return linear_gemv(x, weight)
     return F.linear(x, weight)
 
 
 @linear_small.register_fake
-def _linear_small_fake(x, weight, prefetch=None, prefetch_ranges=None):
+def _linear_small_fake(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op(
-    "rlt::silu_mul_linear_small", mutates_args=(), schema=_SCHEMA.format("Tensor gate_up, Tensor weight")
-)
-def silu_mul_linear_small(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    prefetch: list[torch.Tensor] | None = None,
-    prefetch_ranges: list[int] | None = None,
-) -> torch.Tensor:
+@torch.library.custom_op("rlt::silu_mul_linear_small", mutates_args=())
+def silu_mul_linear_small(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(F.silu(gate) * up, weight)`` for ``gate, up = gate_up.chunk(2, -1)`` (a SwiGLU's
     down projection): one Triton GEMV that forms its input itself for decode-sized CUDA inputs."""
-    ranges = _ranges(prefetch, prefetch_ranges)
     if _op_serves(gate_up) and supports_gemv(gate_up, weight, silu_mul=True):
-        return linear_gemv(gate_up, weight, silu_mul=True, prefetch=ranges)
+        return linear_gemv(gate_up, weight, silu_mul=True)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, weight)
 
 
-@torch.library.custom_op(
-    "rlt::rope_linear_small",
-    mutates_args=(),
-    schema=_SCHEMA.format("Tensor x, Tensor weight, Tensor cos, Tensor sin, int lo, int hi, int head_dim"),
-)
+@torch.library.custom_op("rlt::rope_linear_small", mutates_args=())
 def rope_linear_small(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    lo: int,
-    hi: int,
-    head_dim: int,
-    prefetch: list[torch.Tensor] | None = None,
-    prefetch_ranges: list[int] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lo: int, hi: int, head_dim: int
 ) -> torch.Tensor:
     """``F.linear(x, weight)`` with output columns ``[lo, hi)`` (whole heads of ``head_dim``: a fused
     QKV's q and k) rotated by rotate-half rotary from ``cos``/``sin`` ``[T, head_dim // 2]``: the
     rotation in the Triton GEMV's epilogue for one CUDA row; more CUDA rows: ``F.linear`` then one
     rotary kernel in place (``rope_columns_triton``); elsewhere ``F.linear`` then the reference."""
     rope = RopeColumns(cos, sin, lo, hi, head_dim)
-    ranges = _ranges(prefetch, prefetch_ranges)
     if _op_serves(x) and supports_gemv(x, weight) and supports_rope(x, weight, rope):
-        return linear_gemv(x, weight, rope=rope, prefetch=ranges)
+        return linear_gemv(x, weight, rope=rope)
     y = F.linear(x, weight)
     rows = y.reshape(-1, y.shape[-1])
     if y.is_cuda and rows.is_contiguous() and cos.shape == sin.shape == (rows.shape[0], head_dim // 2):
@@ -670,19 +490,13 @@ def rope_linear_small(
     return rope_columns_reference(y, rope)
 
 
-@torch.library.custom_op("rlt::swiglu_linear_small", mutates_args=(), schema=_SCHEMA.format("Tensor x, Tensor weight"))
-def swiglu_linear_small(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    prefetch: list[torch.Tensor] | None = None,
-    prefetch_ranges: list[int] | None = None,
-) -> torch.Tensor:
+@torch.library.custom_op("rlt::swiglu_linear_small", mutates_args=())
+def swiglu_linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``gate, up = F.linear(x, weight).chunk(2, -1)`` (a SwiGLU's fused gate/up
     projection, gate rows first): the gate in the Triton GEMV's epilogue for one CUDA row; more CUDA
     rows: ``F.linear`` then one gating kernel (``silu_gate_triton``); elsewhere eager."""
-    ranges = _ranges(prefetch, prefetch_ranges)
     if _op_serves(x) and supports_gemv(x, weight) and weight.shape[0] % 2 == 0:
-        return linear_gemv(x, weight, swiglu=True, prefetch=ranges)
+        return linear_gemv(x, weight, swiglu=True)
     y = F.linear(x, weight)
     rows = y.reshape(-1, y.shape[-1])
     if y.is_cuda and rows.is_contiguous() and y.shape[-1] % 2 == 0:
@@ -692,15 +506,15 @@ def swiglu_linear_small(
 
 
 @swiglu_linear_small.register_fake
-def _swiglu_linear_small_fake(x, weight, prefetch=None, prefetch_ranges=None):
+def _swiglu_linear_small_fake(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
 @rope_linear_small.register_fake
-def _rope_linear_small_fake(x, weight, cos, sin, lo, hi, head_dim, prefetch=None, prefetch_ranges=None):
+def _rope_linear_small_fake(x, weight, cos, sin, lo, hi, head_dim):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @silu_mul_linear_small.register_fake
-def _silu_mul_linear_small_fake(gate_up, weight, prefetch=None, prefetch_ranges=None):
+def _silu_mul_linear_small_fake(gate_up, weight):
     return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

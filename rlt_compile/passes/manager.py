@@ -101,7 +101,6 @@ def pass_registry() -> dict[str, type]:
     from rlt_compile.passes.fuse_rope_gemv import FuseRopeGemvPass
     from rlt_compile.passes.fuse_swiglu_gemv import FuseSwiGLUGemvPass
     from rlt_compile.passes.gemv_swap import GemvSwapPass, GemvSwapSwiGLUPass
-    from rlt_compile.passes.prefetch_weights import PrefetchWeightsPass
 
     return {
         "attention_swap": AttentionSwapPass,
@@ -112,7 +111,6 @@ def pass_registry() -> dict[str, type]:
         "fuse_swiglu_gemv": FuseSwiGLUGemvPass,
         "gemv_swap": GemvSwapPass,
         "gemv_swap_swiglu": GemvSwapSwiGLUPass,
-        "prefetch_weights": PrefetchWeightsPass,
     }
 
 
