@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending8|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending10|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -105,5 +105,29 @@ if [[ $what == pending8 ]]; then
     run env RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 --out "$OUT/ouro_attn_$(echo "${cfg:-default}" | tr '=,' '__').md"
   done
+fi
+if [[ $what == pending9 ]]; then
+  # session 9: L2 prefetch of later weights by the decode GEMVs (prefetch_weights pass; needs commit 0becb8d,
+  # since reverted: slower, docs/benchmarks.md)
+  timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_prefetch_weights.py tests/test_gemv.py \
+    tests/test_fuse_swiglu_gemv.py tests/test_fuse_rope_gemv.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --grid "" --l2-lookahead 8,16,32 --pf-programs 4,16 \
+    --out "$OUT/chain_l2.md"
+  all=attention_swap,dot_precision,fuse_linears,fuse_rmsnorm,gemv_swap,fuse_rope_gemv,fuse_swiglu_gemv,prefetch_weights
+  run timeout 80 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --out "$OUT/ouro_default.md"
+  for mb in 16 32; do
+    run env RLT_L2_PREFETCH_MB=$mb timeout 80 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 --passes $all --out "$OUT/ouro_l2_$mb.md"
+  done
+  run env RLT_L2_PREFETCH_MB=32 RLT_GEMV_CONFIG=evict_first=1 timeout 80 python3 -m rlt_compile.bench --model ouro-1.4b \
+    --eager-steps 0 --compiled-steps 0 --passes $all --out "$OUT/ouro_l2_32_evict.md"
+fi
+if [[ $what == pending10 ]]; then
+  # session 9: per-line L2 prefetch from every program (pf_programs=0; needs commit f6cb412, since reverted),
+  # then the one-row GEMV tile grid
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefetch_weights.py 2>&1 | tail -3
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --grid "" --l2-lookahead 2,4,8,16 --pf-programs 0,64 \
+    --out "$OUT/chain_l2_lines.md"
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --grid 1,2:1024,2048:4,8:3,4 --out "$OUT/chain_grid.md"
 fi
 exit 0
