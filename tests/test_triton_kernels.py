@@ -823,3 +823,74 @@ def test_large_mha_decode_batches_take_the_unified_kernel():
     assert uses_decode_kernel(128, 128, None, 6, 8, 132)  # GQA: always the decode kernel
     assert uses_decode_kernel(32, 32, {"decode": True}, 1, 16, 132)
     assert not uses_decode_kernel(33, 32, None, 6, 8, 132)
+
+
+# ------------------------------------------------------------------ FlashAttention prefill path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("mix", ["prefill", "mixed", "chunked"])
+def test_flash_prefill_split_matches_reference(monkeypatch, mix, heads, dtype):
+    """The step's own tokens through the varlen self-attention (its torch stand-in on the CPU), the
+    cached prefix through the paged kernel merging into it: the reference's output, padding rows 0."""
+    from rlt_compile.kernels import flash_varlen
+
+    calls = []
+    real = flash_varlen.self_attention
+    monkeypatch.setattr(flash_varlen, "self_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    query_lens, context_lens = MIXES[mix]
+    case = make_case(query_lens, context_lens, *HEADS[heads], 16, 16, dtype, pad_tokens=3, pad_seqs=2, seed=5)
+    out = check_attention(case, None, config={"flash_prefill": 1}, fused=True)
+    assert calls == [case[0].shape]
+    plain = check_attention(make_case(query_lens, context_lens, *HEADS[heads], 16, 16, dtype, pad_tokens=3,
+                                      pad_seqs=2, seed=5), None, config={"flash_prefill": 0}, fused=True)  # fmt: skip
+    assert len(calls) == 1  # flash_prefill=0: the paged kernel alone
+    torch.testing.assert_close(out.float(), plain.float(), **TOL[dtype])
+
+
+def test_flash_prefill_reference_self_attention_is_causal_per_sequence():
+    from rlt_compile.kernels import flash_varlen
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, h, 8, generator=gen) for h in (4, 2, 2))
+    starts = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    out, lse = flash_varlen.self_attention(q, k, v, starts, 0.5)
+    assert out.shape == q.shape and lse.shape == (4, 9)
+    assert torch.equal(out[8], torch.zeros_like(out[8])) and torch.isinf(lse[:, 8]).all()  # padding row
+    # the first token of a sequence sees only itself: its output is its own value row
+    for first in (0, 3):
+        torch.testing.assert_close(out[first], v[first].repeat_interleave(2, dim=0))
+        torch.testing.assert_close(lse[:, first], (q[first] * k[first].repeat_interleave(2, dim=0)).sum(-1) * 0.5)
+    # changing a later sequence's keys leaves an earlier sequence alone
+    k2 = k.clone()
+    k2[5] += 1.0
+    out2, _ = flash_varlen.self_attention(q, k2, v, starts, 0.5)
+    assert torch.equal(out2[:3], out[:3]) and not torch.equal(out2[5:8], out[5:8])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [(48, 8, 128), (16, 16, 128), (8, 2, 96)], ids=["gqa48/8", "mha16", "gqa-d96"])
+@pytest.mark.parametrize("mix", ["mixed", "chunked", "fresh"])
+def test_gpu_flash_prefill_parity(monkeypatch, mix, heads):
+    """rlt::attention_triton's prefill path on CUDA: FlashAttention-2 varlen among the step's tokens,
+    the paged kernel merging the cached prefix in; against the reference and the paged kernel alone."""
+    from rlt_compile.kernels import flash_varlen
+
+    calls = []
+    real = flash_varlen.self_attention
+    monkeypatch.setattr(flash_varlen, "self_attention", lambda *a: calls.append(1) or real(*a))
+    query_lens, context_lens = {**GPU_MIXES, "fresh": ([700, 1, 33], [0, 0, 0])}[mix]
+
+    def case():
+        return make_case(query_lens, context_lens, *heads, 16, torch.bfloat16, pad_tokens=5, pad_seqs=2,
+                         device="cuda", seed=21)  # fmt: skip
+
+    assert flash_varlen.available(case()[0])
+    out = check_attention(case(), None, fused=True)
+    assert calls == [1]
+    plain = check_attention(case(), None, config={"flash_prefill": 0}, fused=True)
+    assert calls == [1]
+    torch.testing.assert_close(out.float(), plain.float(), **TOL[torch.bfloat16])
+    fp32 = make_case(query_lens, context_lens, *heads, 16, torch.float32, pad_tokens=5, device="cuda", seed=21)
+    check_attention(fp32, None, fused=True, tol={"atol": 2e-4, "rtol": 2e-4})  # no FlashAttention for fp32
+    assert calls == [1]
