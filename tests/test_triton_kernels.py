@@ -871,7 +871,8 @@ def test_flash_prefill_reference_self_attention_is_causal_per_sequence():
 @gpu
 @pytest.mark.parametrize("heads", [(48, 8, 128), (16, 16, 128), (8, 2, 96)], ids=["gqa48/8", "mha16", "gqa-d96"])
 @pytest.mark.parametrize("mix", ["mixed", "chunked", "fresh"])
-def test_gpu_flash_prefill_parity(monkeypatch, mix, heads):
+@pytest.mark.parametrize("backend", [1, 2], ids=["fa2", "cudnn"])
+def test_gpu_flash_prefill_parity(monkeypatch, backend, mix, heads):
     """rlt::attention_triton's prefill path on CUDA: FlashAttention-2 varlen among the step's tokens,
     the paged kernel merging the cached prefix in; against the reference and the paged kernel alone."""
     from rlt_compile.kernels import flash_varlen
@@ -886,11 +887,11 @@ def test_gpu_flash_prefill_parity(monkeypatch, mix, heads):
                          device="cuda", seed=21)  # fmt: skip
 
     assert flash_varlen.available(case()[0])
-    out = check_attention(case(), None, fused=True)
+    out = check_attention(case(), None, config={"flash_prefill": backend}, fused=True)
     assert calls == [1]
     plain = check_attention(case(), None, config={"flash_prefill": 0}, fused=True)
     assert calls == [1]
     torch.testing.assert_close(out.float(), plain.float(), **TOL[torch.bfloat16])
     fp32 = make_case(query_lens, context_lens, *heads, 16, torch.float32, pad_tokens=5, device="cuda", seed=21)
-    check_attention(fp32, None, fused=True, tol={"atol": 2e-4, "rtol": 2e-4})  # no FlashAttention for fp32
+    check_attention(fp32, None, config={"flash_prefill": backend}, fused=True, tol={"atol": 2e-4, "rtol": 2e-4})
     assert calls == [1]

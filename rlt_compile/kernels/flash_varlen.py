@@ -44,20 +44,44 @@ def available(q: torch.Tensor) -> bool:
     )
 
 
+BACKENDS = {1: "flash", 2: "cudnn"}  # config ``flash_prefill`` values
+
+
 def self_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    backend: str = "flash",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each sequence's tokens to the same sequence's tokens of this step:
-    ``(out [T, H, D] in q's dtype, lse [H, T] fp32, natural log)``. Rows past
-    ``query_start_loc[-1]`` (padding) are left unset. ``k``/``v``: ``[T, Hkv, D]`` (GQA allowed).
+    ``(out [T, H, D] in q's dtype, lse fp32 natural log with lse[h, t] at h * lse.stride(0) + t *
+    lse.stride(1))``. Rows past ``query_start_loc[-1]`` (padding) are left unset. ``k``/``v``:
+    ``[T, Hkv, D]``. ``backend``: "flash" (FlashAttention-2 varlen) or "cudnn" (cuDNN's ragged SDPA).
     CPU tensors take ``self_attention_reference``."""
     if not q.is_cuda:
         return self_attention_reference(q, k, v, query_start_loc, scale)
     num_tokens = q.shape[0]
+    if backend == "cudnn":
+        out, lse, *_ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, query_start_loc, query_start_loc, num_tokens, num_tokens, True, 0.0, True, False, scale=scale
+        )
+        return out, _lse_view(lse, q)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, v, query_start_loc, query_start_loc, num_tokens, num_tokens, 0.0, True, False, scale=scale
     )
     return out, lse
+
+
+def _lse_view(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp as a ``[H, T]`` view, whichever of ``[H, T]`` / ``[T, H]`` / ``[T, H, 1]`` it came in."""
+    num_tokens, num_heads = q.shape[:2]
+    if lse.shape[:2] == (num_tokens, num_heads):
+        return lse.reshape(num_tokens, num_heads).t()
+    if lse.numel() == num_heads * num_tokens:
+        return lse.reshape(num_heads, num_tokens)
+    raise RuntimeError(f"unexpected log-sum-exp shape {tuple(lse.shape)} for q {tuple(q.shape)}")
 
 
 def self_attention_reference(

@@ -155,6 +155,7 @@ def _paged_attention_kernel(
     stride_qh,
     stride_qd,
     stride_sh,
+    stride_st,
     stride_ot,
     stride_oh,
     stride_od,
@@ -312,7 +313,8 @@ def _paged_attention_kernel(
     if MERGE_SELF:  # weigh the prefix part and the step's own part by their sums of exp, in fp32
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         own = tl.load(o_ptrs, mask=store_mask, other=0.0).to(tl.float32)
-        own_lse = tl.load(self_lse_ptr + head.to(tl.int64) * stride_sh + token, mask=row_valid, other=0.0) * _LOG2E_C
+        own_lse = tl.load(self_lse_ptr + head.to(tl.int64) * stride_sh + token * stride_st, mask=row_valid, other=0.0)
+        own_lse = own_lse * _LOG2E_C
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         m = tl.maximum(lse, own_lse)
         w_prefix = tl.exp2(lse - m)
@@ -980,13 +982,13 @@ def _split_count(split_k, config: dict, auto: Callable[[], int]) -> int:
 
 
 def _flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, config: dict, interpret: bool) -> bool:
-    """Whether a prefill / mixed batch takes the FlashAttention path (config ``flash_prefill``): by
-    default wherever ``flash_varlen.available`` holds; under the interpreter only when asked for
-    (``flash_prefill=1``: the torch stand-in, for tests)."""
-    wanted = config.get("flash_prefill")
+    """Whether a prefill / mixed batch takes the split path of ``flash_varlen`` (config
+    ``flash_prefill``: 1 FlashAttention-2, 2 cuDNN; off by default, where ``flash_varlen.available``
+    holds; under the interpreter the torch stand-in, for tests)."""
+    wanted = bool(config.get("flash_prefill"))
     if interpret:
-        return bool(wanted) and q.dtype == kv_cache.dtype
-    return (wanted is None or bool(wanted)) and q.dtype == kv_cache.dtype and flash_varlen.available(q)
+        return wanted and q.dtype == kv_cache.dtype
+    return wanted and q.dtype == kv_cache.dtype and flash_varlen.available(q)
 
 
 def fits_two_waves(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
@@ -1183,7 +1185,8 @@ def _attention(
     self_lse = out  # unused placeholder unless merge_self
     if merge_self:  # FlashAttention among this step's tokens into out; the kernel adds the cached prefix
         num_splits = 1
-        out, self_lse = flash_varlen.self_attention(q, *self_kv, query_start_loc, scale)
+        backend = flash_varlen.BACKENDS.get(int(config.get("flash_prefill") or 1), "flash")
+        out, self_lse = flash_varlen.self_attention(q, *self_kv, query_start_loc, scale, backend)
     if num_splits > 1:
         part_out = torch.empty((num_splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
@@ -1261,6 +1264,7 @@ def _attention(
                 head_dim,
                 *q.stride(),
                 self_lse.stride(0),
+                self_lse.stride(1),
                 *out.stride(),
                 *k_cache.stride(),
                 block_tables.stride(0),
