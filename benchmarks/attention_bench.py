@@ -89,26 +89,6 @@ def bench_graph(fn, device: torch.device, reps: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def bench_eager(fn, device: torch.device, reps: int = 50) -> float:
-    """Median milliseconds of eager calls of ``fn`` between CUDA events, each after a 512 MiB memset
-    (flushes the L2 and keeps the GPU busy while the host launches ``fn``): for calls that cannot be
-    captured in a CUDA graph."""
-    flush = _FLUSH.get("big")
-    if flush is None:
-        flush = _FLUSH["big"] = torch.empty(512 << 20, dtype=torch.uint8, device=device)
-    fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return times[len(times) // 2]
-
-
 def bench(fn, device: torch.device, reps: int = 50) -> float:
     """Median milliseconds."""
     if device.type == "cuda":
@@ -364,13 +344,12 @@ def prefill_rows(device, dtype, shapes):
                 return paged_attention_triton(q, cache, tables, seq_lens, qsl, scale)
 
             # The op's whole prefill call (rlt::attention_triton): KV write of the step's rows (the
-            # rows already cached there, so the cache stays as SDPA sees it), then attention: on
-            # CUDA FlashAttention among the step's tokens (flash_varlen) + the paged kernel's prefix.
+            # rows already cached there, so the cache stays as SDPA sees it), then the paged kernel.
             slots, k_new, v_new = prefill_step_inputs(cache, tables, ctx)
 
             def run_op(q=q, k=k_new, v=v_new, cache=cache, slots=slots, tables=tables, sl=seq_lens, qsl=qsl,
-                       scale=scale, cfg=None):  # fmt: skip
-                return attention_forward(q, k, v, cache, slots, tables, sl, qsl, scale, config=cfg)
+                       scale=scale):  # fmt: skip
+                return attention_forward(q, k, v, cache, slots, tables, sl, qsl, scale)
 
             out = run_triton()
             ref = sdpa(q_s, k_s, v_s, scale, True).transpose(1, 2).reshape_as(out)
@@ -378,25 +357,9 @@ def prefill_rows(device, dtype, shapes):
             t_tri = bench(run_triton, device)
             t_sdpa = bench(lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, True), device)
             row = [name, batch, ctx, f"{t_tri * 1e3:.0f}", f"{flops / (t_tri * 1e-3) / 1e12:.1f}"]
-            best = t_tri
-            for flash in (0, 1, 2):  # the op: paged kernel alone, + FlashAttention-2, + cuDNN
-                try:
-                    got = run_op(cfg={"flash_prefill": flash})
-                    err = max(err, (got.float() - ref.float()).abs().max().item())
-                    if flash == 2 and device.type == "cuda":  # cuDNN's varlen call fails under graph capture
-                        t_op = bench_eager(lambda: run_op(cfg={"flash_prefill": 2}), device)
-                        t_eager = bench_eager(
-                            lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, True), device
-                        )
-                        row.append(f"{t_op * 1e3:.0f} (SDPA {t_eager * 1e3:.0f})")
-                        best = min(best, t_op * t_sdpa / t_eager)  # as a ratio to SDPA timed the same way
-                        continue
-                    t_op = bench(lambda flash=flash: run_op(cfg={"flash_prefill": flash}), device)
-                    best = min(best, t_op)
-                    row.append(f"{t_op * 1e3:.0f}")
-                except Exception as exc:  # a backend this torch / GPU lacks
-                    print(f"op flash_prefill={flash}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                    row.append("failed")
+            t_op = bench(run_op, device)  # the op: KV write + the paged kernel
+            err = max(err, (run_op().float() - ref.float()).abs().max().item())
+            row.append(f"{t_op * 1e3:.0f}")
             for backend in SDPA_BACKENDS:
                 try:
                     with sdpa_kernel(backend):
@@ -410,7 +373,8 @@ def prefill_rows(device, dtype, shapes):
             row += [
                 f"{t_sdpa * 1e3:.0f}",
                 f"{flops / (t_sdpa * 1e-3) / 1e12:.1f}",
-                f"{t_sdpa / best:.2f}x",
+                f"{t_sdpa / t_tri:.2f}x",
+                f"{t_sdpa / t_op:.2f}x",
                 f"{err:.1e}",
             ]
             rows.append(row)
@@ -749,13 +713,12 @@ def main(argv=None) -> int:
                 "paged kernel us",
                 "paged kernel TFLOP/s",
                 "op us",
-                "op + FA2 us",
-                "op + cuDNN us (eager; SDPA eager)",
                 "SDPA flash us",
                 "SDPA cuDNN us",
                 "SDPA us",
                 "SDPA TFLOP/s",
-                "best vs SDPA",
+                "kernel vs SDPA",
+                "op vs SDPA",
                 "max abs err",
             ],
             pre,
@@ -764,9 +727,8 @@ def main(argv=None) -> int:
         f"Total benchmark time {time.time() - start:.0f} s. SDPA reads K/V pre-gathered into contiguous tensors "
         "(gather not timed); triton reads the paged cache through shuffled block tables. Prefill 'paged "
         "kernel': the unified kernel over the whole causal context; 'op': rlt::attention_triton's call (KV "
-        "write + the paged kernel); 'op + FA2' / 'op + cuDNN': the op with config flash_prefill=1 / 2 "
-        "(FlashAttention-2 / cuDNN varlen among the step's tokens, then the paged kernel for the cached "
-        "prefix, none here); 'SDPA flash' / 'SDPA cuDNN': SDPA held to that backend.",
+        "write + the paged kernel); 'SDPA flash' / 'SDPA cuDNN': SDPA held to that backend (its default "
+        "is the faster one).",
         "",
     ]
     text = "\n".join(report)

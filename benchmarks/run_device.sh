@@ -131,19 +131,22 @@ if [[ $what == pending10 ]]; then
   run timeout 200 python3 benchmarks/gemv_chain_bench.py --grid 1,2:1024,2048:4,8:3,4 --out "$OUT/chain_grid.md"
 fi
 if [[ $what == pending11 ]]; then
-  # session 9: prefill through FlashAttention-2 varlen + the paged kernel's prefix merge (flash_varlen)
+  # session 9: prefill through FlashAttention-2 varlen + the paged kernel's prefix merge (flash_varlen; needs
+  # commit d98e085, since removed: slower, docs/benchmarks.md); on later trees: GPU tests + the attention table
   timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_engine_gpu.py \
     tests/test_graphs_gpu.py tests/test_async_pipeline.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
   run timeout 200 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending12 ]]; then
-  # session 9: the prefill split path with FlashAttention-2 or cuDNN (config flash_prefill=1 / 2), vs SDPA's backends
+  # session 9: the prefill split path with FlashAttention-2 or cuDNN (config flash_prefill=1 / 2; needs commit
+  # 867a948, since removed), vs SDPA's backends
   timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k flash \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -8
   run timeout 200 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending13 ]]; then
-  # session 9: pending12 with the cuDNN split path timed eagerly (its varlen call fails under graph capture)
+  # session 9: pending12 with the cuDNN split path timed eagerly (its varlen call fails under graph capture;
+  # needs commit 086a900)
   run timeout 200 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 exit 0

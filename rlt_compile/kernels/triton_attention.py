@@ -68,7 +68,6 @@ import triton.language as tl
 
 from rlt_compile import envs
 from rlt_compile import platform as _platform
-from rlt_compile.kernels import flash_varlen
 
 __all__ = [
     "CONFIG_KEYS",
@@ -83,7 +82,6 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-_LOG2E_C: tl.constexpr = tl.constexpr(_LOG2E)
 _PRECISIONS = ("ieee", "tf32")
 _MAX_SPLITS = 64
 _INTERPRETER_LOCK = threading.Lock()
@@ -146,7 +144,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    self_lse_ptr,
     scale_log2,
     num_seqs,
     num_tokens,
@@ -154,8 +151,6 @@ def _paged_attention_kernel(
     stride_qt,
     stride_qh,
     stride_qd,
-    stride_sh,
-    stride_st,
     stride_ot,
     stride_oh,
     stride_od,
@@ -181,7 +176,6 @@ def _paged_attention_kernel(
     MASK_SPLIT: tl.constexpr,
     REVERSE_TILES: tl.constexpr,
     EVEN_D: tl.constexpr,
-    MERGE_SELF: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -228,28 +222,12 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
 
-    if MERGE_SELF:  # out holds the attention among this step's tokens: only the cached prefix is left
-        if not is_real:  # the padding rows past the last sequence: zeros
-            o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
-            tl.store(
-                o_ptrs,
-                tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty),
-                mask=row_valid[:, None] & d_mask[None, :],
-            )
-            return
-        if ctx_len <= 0:  # no cached prefix: out is final
-            return
-
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # Keys this tile needs: positions [0, last query position + 1), and this split's slice of them
-    # (MERGE_SELF: the cached prefix [0, ctx_len) only, which every query of the tile sees whole).
-    if MERGE_SELF:
-        kv_end = ctx_len
-    else:
-        kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_off + BLOCK_Q, q_len))
+    # Keys this tile needs: positions [0, last query position + 1), and this split's slice of them.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_off + BLOCK_Q, q_len))
     if NUM_SPLITS == 1:
         kv_lo = 0
         kv_hi = kv_end
@@ -310,18 +288,7 @@ def _paged_attention_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_mask[None, :]
-    if MERGE_SELF:  # weigh the prefix part and the step's own part by their sums of exp, in fp32
-        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
-        own = tl.load(o_ptrs, mask=store_mask, other=0.0).to(tl.float32)
-        own_lse = tl.load(self_lse_ptr + head.to(tl.int64) * stride_sh + token * stride_st, mask=row_valid, other=0.0)
-        own_lse = own_lse * _LOG2E_C
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        m = tl.maximum(lse, own_lse)
-        w_prefix = tl.exp2(lse - m)
-        w_own = tl.exp2(own_lse - m)
-        merged = (out * w_prefix[:, None] + own * w_own[:, None]) / (w_prefix + w_own)[:, None]
-        tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
-    elif NUM_SPLITS == 1:
+    if NUM_SPLITS == 1:
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
@@ -948,7 +915,6 @@ CONFIG_KEYS = frozenset(
         "mask_split",
         "pad_group",
         "reverse_tiles",
-        "flash_prefill",
     }
 )
 
@@ -979,16 +945,6 @@ def _split_count(split_k, config: dict, auto: Callable[[], int]) -> int:
     else:
         num_splits = max(1, int(split_k))
     return min(triton.next_power_of_2(num_splits), _MAX_SPLITS)
-
-
-def _flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, config: dict, interpret: bool) -> bool:
-    """Whether a prefill / mixed batch takes the split path of ``flash_varlen`` (config
-    ``flash_prefill``: 1 FlashAttention-2, 2 cuDNN; off by default, where ``flash_varlen.available``
-    holds; under the interpreter the torch stand-in, for tests)."""
-    wanted = bool(config.get("flash_prefill"))
-    if interpret:
-        return wanted and q.dtype == kv_cache.dtype
-    return wanted and q.dtype == kv_cache.dtype and flash_varlen.available(q)
 
 
 def fits_two_waves(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
@@ -1088,19 +1044,7 @@ def attention_forward(
     if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
         kv_write_triton(k, v, kv_cache, slot_mapping)
         return _attention(
-            q,
-            None,
-            None,
-            kv_cache,
-            None,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            precision,
-            split_k,
-            config,
-            self_kv=(k, v),
+            q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
         )
     if k.shape != (q.shape[0], *kv_cache.shape[3:]) or v.shape != k.shape:
         raise ValueError(f"k/v must be [T, Hkv, D] = {(q.shape[0], *kv_cache.shape[3:])}, got {tuple(k.shape)}")
@@ -1110,22 +1054,8 @@ def attention_forward(
 
 
 def _attention(
-    q,
-    k,
-    v,
-    kv_cache,
-    slot_mapping,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    precision,
-    split_k,
-    config,
-    self_kv=None,
+    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
 ) -> torch.Tensor:
-    """Paged attention; ``k``/``v`` given: the decode kernel's fused KV write. ``self_kv``: this step's
-    K/V (already in the cache), for the FlashAttention prefill path (``flash_varlen``)."""
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
     config = _check_config(config)
@@ -1181,12 +1111,6 @@ def _attention(
             ),
         )
 
-    merge_self = not decode and self_kv is not None and _flash_prefill(q, kv_cache, config, interpret)
-    self_lse = out  # unused placeholder unless merge_self
-    if merge_self:  # FlashAttention among this step's tokens into out; the kernel adds the cached prefix
-        num_splits = 1
-        backend = flash_varlen.BACKENDS.get(int(config.get("flash_prefill") or 1), "flash")
-        out, self_lse = flash_varlen.self_attention(q, *self_kv, query_start_loc, scale, backend)
     if num_splits > 1:
         part_out = torch.empty((num_splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
@@ -1257,14 +1181,11 @@ def _attention(
                 out,
                 part_out,
                 part_lse,
-                self_lse,
                 float(scale) * _LOG2E,
                 num_seqs,
                 num_tokens,
                 head_dim,
                 *q.stride(),
-                self_lse.stride(0),
-                self_lse.stride(1),
                 *out.stride(),
                 *k_cache.stride(),
                 block_tables.stride(0),
@@ -1281,7 +1202,6 @@ def _attention(
                 MASK_SPLIT=cfg["MASK_SPLIT"],
                 REVERSE_TILES=cfg["REVERSE_TILES"],
                 EVEN_D=block_d == head_dim,
-                MERGE_SELF=merge_self,
                 PRECISION=precision,
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
