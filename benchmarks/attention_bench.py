@@ -138,14 +138,18 @@ def make_paged(batch, ctx, q_len, heads, kv_heads, dim, dtype, device, seed=0):
     return q, cache, tables, seq_lens, qsl, q_sdpa, k, v
 
 
-def decode_step_inputs(cache, tables, ctx):
-    """slot_mapping and this step's k/v rows for a decode batch whose token sits at position ctx - 1:
+def step_inputs(cache, tables, pos: torch.Tensor):
+    """slot_mapping and this step's k/v rows for every sequence's positions ``pos`` (sequence-major):
     the rows already in the cache there, so the (fused) KV write leaves the cache and the SDPA
     reference unchanged."""
-    pos = ctx - 1
-    slots = (tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).contiguous()
+    slots = (tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1).contiguous()
     flat = cache.view(2, -1, *cache.shape[3:])
     return slots, flat[0][slots].clone(), flat[1][slots].clone()
+
+
+def decode_step_inputs(cache, tables, ctx):
+    """``step_inputs`` of a decode batch whose token sits at position ctx - 1."""
+    return step_inputs(cache, tables, torch.tensor([ctx - 1], device=cache.device))
 
 
 try:
@@ -155,15 +159,6 @@ try:
 except ImportError:  # older torch
     SDPA_BACKENDS = ()
     sdpa_kernel = None
-
-
-def prefill_step_inputs(cache, tables, ctx):
-    """slot_mapping and k/v rows of a prefill of every sequence's ``ctx`` positions: the rows already in
-    the cache there (as ``decode_step_inputs``)."""
-    pos = torch.arange(ctx, device=cache.device)
-    slots = (tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1).contiguous()
-    flat = cache.view(2, -1, *cache.shape[3:])
-    return slots, flat[0][slots].clone(), flat[1][slots].clone()
 
 
 def sdpa(q, k, v, scale, causal):
@@ -345,7 +340,7 @@ def prefill_rows(device, dtype, shapes):
 
             # The op's whole prefill call (rlt::attention_triton): KV write of the step's rows (the
             # rows already cached there, so the cache stays as SDPA sees it), then the paged kernel.
-            slots, k_new, v_new = prefill_step_inputs(cache, tables, ctx)
+            slots, k_new, v_new = step_inputs(cache, tables, torch.arange(ctx, device=cache.device))
 
             def run_op(q=q, k=k_new, v=v_new, cache=cache, slots=slots, tables=tables, sl=seq_lens, qsl=qsl,
                        scale=scale):  # fmt: skip
@@ -355,7 +350,11 @@ def prefill_rows(device, dtype, shapes):
             ref = sdpa(q_s, k_s, v_s, scale, True).transpose(1, 2).reshape_as(out)
             err = (out.float() - ref.float()).abs().max().item()
             t_tri = bench(run_triton, device)
-            t_sdpa = bench(lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, True), device)
+
+            def run_sdpa(q_s=q_s, k_s=k_s, v_s=v_s, scale=scale):
+                return sdpa(q_s, k_s, v_s, scale, True)
+
+            t_sdpa = bench(run_sdpa, device)
             row = [name, batch, ctx, f"{t_tri * 1e3:.0f}", f"{flops / (t_tri * 1e-3) / 1e12:.1f}"]
             t_op = bench(run_op, device)  # the op: KV write + the paged kernel
             err = max(err, (run_op().float() - ref.float()).abs().max().item())
@@ -363,9 +362,7 @@ def prefill_rows(device, dtype, shapes):
             for backend in SDPA_BACKENDS:
                 try:
                     with sdpa_kernel(backend):
-                        t = bench(
-                            lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, True), device
-                        )
+                        t = bench(run_sdpa, device)
                     row.append(f"{t * 1e3:.0f}")
                 except Exception as exc:
                     print(f"SDPA {backend}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
@@ -727,8 +724,7 @@ def main(argv=None) -> int:
         f"Total benchmark time {time.time() - start:.0f} s. SDPA reads K/V pre-gathered into contiguous tensors "
         "(gather not timed); triton reads the paged cache through shuffled block tables. Prefill 'paged "
         "kernel': the unified kernel over the whole causal context; 'op': rlt::attention_triton's call (KV "
-        "write + the paged kernel); 'SDPA flash' / 'SDPA cuDNN': SDPA held to that backend (its default "
-        "is the faster one).",
+        "write + the paged kernel); 'SDPA flash' / 'SDPA cuDNN': SDPA held to that backend.",
         "",
     ]
     text = "\n".join(report)
