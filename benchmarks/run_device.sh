@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending13|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending14|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -148,5 +148,11 @@ if [[ $what == pending13 ]]; then
   # session 9: pending12 with the cuDNN split path timed eagerly (its varlen call fails under graph capture;
   # needs commit 086a900)
   run timeout 200 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
+fi
+if [[ $what == pending14 ]]; then
+  # session 10: the one-launch decode layer (kernels/decode_layer.py): GPU parity, then the Ouro chain
+  timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_decode_layer.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15
+  run timeout 300 python3 benchmarks/layer_chain_bench.py --out "$OUT/layer_chain.md"
 fi
 exit 0
