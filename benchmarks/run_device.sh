@@ -155,4 +155,11 @@ if [[ $what == pending14 ]]; then
     | tee "$OUT/gpu_tests.log" | tail -15
   run timeout 300 python3 benchmarks/layer_chain_bench.py --out "$OUT/layer_chain.md"
 fi
+if [[ $what == pending15 ]]; then
+  # session 10: the decode layer's GEMV streaming (x carried in registers; Triton's pipeline through shared memory)
+  timeout 100 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_decode_layer.py -k "ouro or repeats" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -5
+  run timeout 330 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
+    "default;stages=3;stages=5;rows=8,block_k=2048;rows=8,block_k=2048,stages=3;rows=8,block_k=2048,stages=5;rows=32,warps=16,stages=3;rows=4,block_k=2048,stages=6"
+fi
 exit 0

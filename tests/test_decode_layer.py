@@ -107,7 +107,11 @@ def test_interpreted_phases_match_the_eager_layer(interpret, heads, kv_heads, ct
 def test_interpreted_other_tiles_and_depth(interpret):
     layer = make_layer(64, 96, 4, 2, 16, torch.float32, "cpu")
     args, cache = make_step(layer, 22, 2, 16, 8, 8, torch.float32, "cpu", first=False)
-    for config in ({"rows": 2, "block_k": 64, "depth": 2}, {"rows": 8, "block_k": 16, "nprog": 5, "block_n": 4}):
+    for config in (
+        {"rows": 2, "block_k": 64, "depth": 2},
+        {"stages": 2, "rows": 4},
+        {"rows": 8, "block_k": 16, "nprog": 5, "block_n": 4},
+    ):
         check(args, cache, config)
 
 

@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-LAYER_CONFIG_KEYS = frozenset({"nprog", "rows", "block_k", "depth", "warps", "block_n", "phased"})
+LAYER_CONFIG_KEYS = frozenset({"nprog", "rows", "block_k", "depth", "stages", "warps", "block_n", "phased"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,38 +151,61 @@ def _prefetch(w_ptr, stride_w, lo, hi, K, HALF, ROWS: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _gemv(w_ptr, stride_w, x_ptr, y_ptr, lo, hi, K, HALF, w0, w1, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-          SWIGLU: tl.constexpr, DEPTH: tl.constexpr):  # fmt: skip
-    """``y[lo:hi] = W[lo:hi] @ x`` (SwiGLU: ``y[j] = silu(W[j] @ x) * (W[HALF + j] @ x)``), fp32
-    accumulation rounded once; the program's tiles stream through registers ``DEPTH`` ahead, the
-    first ones (``w0``, ``w1``) already loaded. ``x`` is read from memory (L2) per K chunk."""
-    n_units = _units(lo, hi, K, ROWS, BLOCK_K, SWIGLU)
+def _load_x(x_ptr, u, K, BLOCK_K: tl.constexpr):
+    """The input chunk of unit ``u`` (written by other programs: read through L2), in fp32."""
+    kk = (u % tl.cdiv(K, BLOCK_K)) * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _unit_step(acc, w, x, u, y_ptr, lo, hi, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
+    """Accumulate unit ``u`` (``w @ x``); after a row tile's last K chunk store its outputs (SwiGLU:
+    gated pairs) and restart the accumulator."""
     k_chunks = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([ROWS], dtype=tl.float32)
-    w_next = w0
-    w_after = w1
-    for u in range(0, n_units):
-        w = w_next
-        if DEPTH == 2:
-            w_next = w_after
-            w_after = _load_unit(w_ptr, stride_w, lo, hi, u + 2, n_units, K, HALF, ROWS, BLOCK_K, SWIGLU)
+    acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if u % k_chunks == k_chunks - 1:
+        out = acc.to(y_ptr.dtype.element_ty)
+        rt = u // k_chunks
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(out, [ROWS // 2, 2]))
+            offs = lo + rt * (ROWS // 2) + tl.arange(0, ROWS // 2)
+            tl.store(y_ptr + offs, _silu_gate(gate, up), mask=offs < hi)
         else:
-            w_next = _load_unit(w_ptr, stride_w, lo, hi, u + 1, n_units, K, HALF, ROWS, BLOCK_K, SWIGLU)
-        kc = u % k_chunks
-        kk = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if kc == k_chunks - 1:
-            out = acc.to(y_ptr.dtype.element_ty)
-            rt = u // k_chunks
-            if SWIGLU:
-                gate, up = tl.split(tl.reshape(out, [ROWS // 2, 2]))
-                offs = lo + rt * (ROWS // 2) + tl.arange(0, ROWS // 2)
-                tl.store(y_ptr + offs, _silu_gate(gate, up), mask=offs < hi)
+            offs = lo + rt * ROWS + tl.arange(0, ROWS)
+            tl.store(y_ptr + offs, out, mask=offs < hi)
+        acc = tl.zeros([ROWS], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _gemv(w_ptr, stride_w, x_ptr, y_ptr, lo, hi, K, HALF, w0, w1, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+          SWIGLU: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """``y[lo:hi] = W[lo:hi] @ x`` (SwiGLU: ``y[j] = silu(W[j] @ x) * (W[HALF + j] @ x)``), fp32
+    accumulation rounded once, over the program's units (``rows x block_k`` weight tiles); the first
+    ones (``w0``, ``w1``) are already loaded. ``STAGES == 0``: the tiles and input chunks stream through
+    registers ``DEPTH`` ahead. ``STAGES > 0``: unit 0 from ``w0``, the rest through Triton's software
+    pipeline (``STAGES`` tiles in flight in shared memory)."""
+    n_units = _units(lo, hi, K, ROWS, BLOCK_K, SWIGLU)
+    acc = tl.zeros([ROWS], dtype=tl.float32)
+    if STAGES > 0:
+        acc = _unit_step(acc, w0, _load_x(x_ptr, 0, K, BLOCK_K), 0, y_ptr, lo, hi, K, ROWS, BLOCK_K, SWIGLU)
+        for u in tl.range(1, n_units, num_stages=STAGES):
+            w = _load_unit(w_ptr, stride_w, lo, hi, u, n_units, K, HALF, ROWS, BLOCK_K, SWIGLU)
+            acc = _unit_step(acc, w, _load_x(x_ptr, u, K, BLOCK_K), u, y_ptr, lo, hi, K, ROWS, BLOCK_K, SWIGLU)
+    else:
+        w_next = w0
+        w_after = w1
+        x_next = _load_x(x_ptr, 0, K, BLOCK_K)
+        for u in range(0, n_units):
+            w = w_next
+            x = x_next
+            if DEPTH == 2:
+                w_next = w_after
+                w_after = _load_unit(w_ptr, stride_w, lo, hi, u + 2, n_units, K, HALF, ROWS, BLOCK_K, SWIGLU)
             else:
-                offs = lo + rt * ROWS + tl.arange(0, ROWS)
-                tl.store(y_ptr + offs, out, mask=offs < hi)
-            acc = tl.zeros([ROWS], dtype=tl.float32)
+                w_next = _load_unit(w_ptr, stride_w, lo, hi, u + 1, n_units, K, HALF, ROWS, BLOCK_K, SWIGLU)
+            x_next = _load_x(x_ptr, u + 1, K, BLOCK_K)
+            acc = _unit_step(acc, w, x, u, y_ptr, lo, hi, K, ROWS, BLOCK_K, SWIGLU)
 
 
 @triton.jit
@@ -291,7 +314,7 @@ def _sandwich_layer_kernel(
     per_qkv, per_o, per_gu, per_down,
     NORM_A: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    DEPTH: tl.constexpr, PHASE: tl.constexpr, FUSED: tl.constexpr, USE_PDL: tl.constexpr,
+    DEPTH: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr, FUSED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -317,7 +340,7 @@ def _sandwich_layer_kernel(
                 tl.store(h_in_ptr + offs_h, h, mask=mask_h)
         tl.store(x_row + offs_h, _norm(h, w_in, hidden, eps_in), mask=mask_h)
         tl.debug_barrier()
-        _gemv(wqkv_ptr, hidden, x_row, qkv_ptr, lo, hi, hidden, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH)
+        _gemv(wqkv_ptr, hidden, x_row, qkv_ptr, lo, hi, hidden, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
 
     # -- phase 1: attention ---------------------------------------------------------------------
     if FUSED:  # the o GEMV's first tiles in flight across the attention
@@ -346,7 +369,7 @@ def _sandwich_layer_kernel(
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
     if FUSED or PHASE == 2:
-        _gemv(wo_ptr, n_q, attn_ptr, o_ptr, lo, hi, n_q, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH)
+        _gemv(wo_ptr, n_q, attn_ptr, o_ptr, lo, hi, n_q, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
 
     # -- phase 3: prologue norms, gate/up GEMV + SwiGLU --------------------------------------------
     if FUSED or PHASE == 3:
@@ -368,7 +391,7 @@ def _sandwich_layer_kernel(
             tl.store(h_out_ptr + offs_h, h, mask=mask_h)
         tl.store(x_row + offs_h, _norm(h, w_post, hidden, eps_post), mask=mask_h)
         tl.debug_barrier()
-        _gemv(wgu_ptr, hidden, x_row, g_ptr, lo, hi, hidden, inter, w0, w1, ROWS, BLOCK_K, True, DEPTH)
+        _gemv(wgu_ptr, hidden, x_row, g_ptr, lo, hi, hidden, inter, w0, w1, ROWS, BLOCK_K, True, DEPTH, STAGES)
 
     # -- phase 4: down GEMV -----------------------------------------------------------------------
     if FUSED or PHASE == 4:
@@ -381,7 +404,7 @@ def _sandwich_layer_kernel(
             if not FUSED:
                 tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        _gemv(wdown_ptr, inter, g_ptr, d_out_ptr, lo, hi, inter, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH)
+        _gemv(wdown_ptr, inter, g_ptr, d_out_ptr, lo, hi, inter, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,10 +437,10 @@ def layer_config(device: torch.device, dtype: torch.dtype, config: dict | None =
     """Launch parameters from the device and dtype only (CUDA-graph safe); ``config`` overrides
     (keys ``LAYER_CONFIG_KEYS``). CPU (the interpreter): small tiles, phased."""
     if device.type == "cpu":
-        cfg = {"nprog": 4, "rows": 4, "block_k": 32, "depth": 1, "warps": 4, "block_n": 16, "phased": 1}
+        cfg = {"nprog": 4, "rows": 4, "block_k": 32, "depth": 1, "stages": 0, "warps": 4, "block_n": 16, "phased": 1}
     else:
         cfg = {"nprog": _sm_count(device), "rows": 16, "block_k": 1024 if dtype != torch.float32 else 512,
-               "depth": 1, "warps": 8, "block_n": 32, "phased": 0}  # fmt: skip
+               "depth": 1, "stages": 0, "warps": 8, "block_n": 32, "phased": 0}  # fmt: skip
     for key, value in (config or {}).items():
         if key not in LAYER_CONFIG_KEYS:
             raise ValueError(f"unknown decode-layer config key {key!r}; known: {sorted(LAYER_CONFIG_KEYS)}")
@@ -535,6 +558,7 @@ def sandwich_layer_triton(
         "ROWS": rows,
         "BLOCK_K": cfg["block_k"],
         "DEPTH": cfg["depth"],
+        "STAGES": cfg["stages"],
         "USE_PDL": pdl,
     }
     with _interpreter_scope(interpret):
