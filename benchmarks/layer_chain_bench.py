@@ -93,7 +93,7 @@ def ops_chain(h, layers, caches, meta, cos, sin, w_norm, heads, dim, per_step):
     return h
 
 
-def layer_chain(h, layers, caches, meta, cos, sin, w_norm, heads, dim, per_step, config):
+def layer_chain(h, layers, caches, meta, cos, sin, w_norm, heads, dim, per_step, config, timings=None):
     from rlt_compile.kernels.decode_layer import sandwich_layer_triton
     from rlt_compile.kernels.rmsnorm import add_rmsnorm2_triton
 
@@ -123,10 +123,51 @@ def layer_chain(h, layers, caches, meta, cos, sin, w_norm, heads, dim, per_step,
             p["w_gu"],
             p["w_down"],
             config=config,
+            timing=None if timings is None else timings[i],
         )
         if i % per_step == per_step - 1:
             _, h = add_rmsnorm2_triton(d, res, p["w_post2"], w_norm, 1e-6, 1e-6)
     return h
+
+
+SEGMENTS = (
+    "PDL wait",
+    "prologue + q/k/v GEMV",
+    "barrier 1",
+    "attention",
+    "barrier 2",
+    "o GEMV",
+    "barrier 3",
+    "prologue + gate/up GEMV",
+    "barrier 4",
+    "down GEMV",
+)
+
+
+def timeline(text, x, layers, caches, meta, cos, sin, w_norm, fixed, reps) -> list[str]:
+    """Per phase of the fused layer: the median over programs of its duration (global timer),
+    averaged over layers, from one graph replay; and the gap from one layer's last program to the
+    next layer's first."""
+    from gemv_chain_bench import time_graph
+
+    (_, cfg), *_ = parse_configs(text)
+    nprog = cfg.get("nprog", torch.cuda.get_device_properties(0).multi_processor_count)
+    stamps = torch.zeros(len(layers), nprog, 16, dtype=torch.int64, device="cuda")
+    ms = time_graph(lambda: layer_chain(x, layers, caches, meta, cos, sin, w_norm, *fixed, cfg, stamps), reps)
+    t = stamps[:, :, :11].double()
+    seg = (t[:, :, 1:] - t[:, :, :-1]).median(dim=1).values.mean(dim=0) / 1e3
+    span = (t[:, :, 10].max(dim=1).values - t[:, :, 0].min(dim=1).values).mean() / 1e3
+    gap = (t[1:, :, 0].min(dim=1).values - t[:-1, :, 10].max(dim=1).values).mean() / 1e3
+    out = [
+        f"Timeline of `{text}` ({ms:.3f} ms per chain; us per layer, median over programs, mean over layers):",
+        "",
+        "| segment | us |",
+        "|---|---|",
+    ]
+    out += [f"| {name} | {v:.2f} |" for name, v in zip(SEGMENTS, seg.tolist())]
+    out += [f"| layer span (first start to last end) | {span:.2f} |", f"| gap to the next layer | {gap:.2f} |"]
+    print("\n".join(out), flush=True)
+    return out
 
 
 def parse_configs(text: str) -> list[tuple[str, dict]]:
@@ -148,6 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated key=int,... configs")
+    parser.add_argument("--timeline", help="a config to time phase by phase (global timer stamps)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -204,6 +246,8 @@ def main(argv=None) -> int:
         lines.append(
             f"| {name} | {ms:.3f} | {weight_bytes / ms / 1e9:.2f} | {floor:.1f}% | {base / ms:.2f}x | {err:.1e} |"
         )
+    if args.timeline is not None:
+        lines += ["", *timeline(args.timeline, x, layers, caches, meta, cos, sin, w_norm, fixed, args.reps)]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

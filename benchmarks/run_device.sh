@@ -162,4 +162,10 @@ if [[ $what == pending15 ]]; then
   run timeout 330 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
     "default;stages=3;stages=5;rows=8,block_k=2048;rows=8,block_k=2048,stages=3;rows=8,block_k=2048,stages=5;rows=32,warps=16,stages=3;rows=4,block_k=2048,stages=6"
 fi
+if [[ $what == pending16 ]]; then
+  # session 10: where the decode layer's time goes: barrier cost, phase timeline, phased vs fused
+  run timeout 60 python3 benchmarks/grid_barrier_bench.py
+  run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" \
+    --configs "default;poll=0;phased=1;rows=8,block_k=2048" --timeline "rows=8,block_k=2048"
+fi
 exit 0

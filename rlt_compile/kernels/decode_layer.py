@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-LAYER_CONFIG_KEYS = frozenset({"nprog", "rows", "block_k", "depth", "stages", "warps", "block_n", "phased"})
+LAYER_CONFIG_KEYS = frozenset({"nprog", "rows", "block_k", "depth", "stages", "poll", "warps", "block_n", "phased"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,18 +76,32 @@ LAYER_CONFIG_KEYS = frozenset({"nprog", "rows", "block_k", "depth", "stages", "w
 
 
 @triton.jit
-def _grid_barrier(count_ptr, NPROG: tl.constexpr):
+def _grid_barrier(count_ptr, NPROG: tl.constexpr, POLL: tl.constexpr):
     """Every program of the grid waits here until all ``NPROG`` arrived. ``count_ptr`` is an int64
     that only grows (by ``NPROG`` per barrier, so it is a multiple of ``NPROG`` between launches):
     a program's arrival number tells it which multiple to wait for. The release/acquire pair orders
-    every program's earlier stores before every program's later loads."""
+    every program's earlier stores before every program's later loads. ``POLL == 0`` polls with
+    atomics; ``POLL == 1`` with volatile loads (no atomic-unit traffic while waiting), then one
+    acquiring atomic."""
     tl.debug_barrier()  # all threads' stores of this program before its arrival
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     target = arrived - arrived % NPROG + NPROG
     seen = arrived + 1
-    while seen < target:
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    if POLL == 0:
+        while seen < target:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        while seen < target:
+            seen = tl.load(count_ptr, volatile=True)
+        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(timing_ptr, pid, k, TIMING: tl.constexpr):
+    """``TIMING``: record the GPU's global timer (ns) as event ``k`` of program ``pid`` (16 per program)."""
+    if TIMING:
+        tl.store(timing_ptr + pid * 16 + k, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
@@ -308,15 +322,16 @@ def _sandwich_layer_kernel(
     y_ptr, res_ptr, wa_ptr, win_ptr, wqkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, table_ptr,
     seq_lens_ptr, wo_ptr, win2_ptr, wpost_ptr, wgu_ptr, wdown_ptr,
     h_out_ptr, d_out_ptr, x_scratch_ptr, h_in_ptr, qkv_ptr, attn_ptr, o_ptr, g_ptr, part_out_ptr, part_lse_ptr,
-    counter_ptr, barrier_ptr,
+    counter_ptr, barrier_ptr, timing_ptr,
     hidden, inter, n_qkv, n_q, num_heads, num_kv_heads, eps_a, eps_in, eps_in2, eps_post, scale_log2,
     stride_cb, stride_cs, stride_ch, stride_cd,
     per_qkv, per_o, per_gu, per_down,
     NORM_A: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    DEPTH: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr, FUSED: tl.constexpr, USE_PDL: tl.constexpr,
+    DEPTH: tl.constexpr, STAGES: tl.constexpr, POLL: tl.constexpr, PHASE: tl.constexpr, FUSED: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    _stamp(timing_ptr, pid, 0, TIMING)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < hidden
     x_row = x_scratch_ptr + pid * BLOCK_H
@@ -333,6 +348,7 @@ def _sandwich_layer_kernel(
             tl.extra.cuda.gdc_wait()
             if not FUSED:
                 tl.extra.cuda.gdc_launch_dependents()
+        _stamp(timing_ptr, pid, 1, TIMING)
         h = tl.load(res_ptr + offs_h, mask=mask_h, other=0.0)
         if NORM_A:
             h = _add(h, _norm(tl.load(y_ptr + offs_h, mask=mask_h, other=0.0), w_a, hidden, eps_a))
@@ -341,13 +357,15 @@ def _sandwich_layer_kernel(
         tl.store(x_row + offs_h, _norm(h, w_in, hidden, eps_in), mask=mask_h)
         tl.debug_barrier()
         _gemv(wqkv_ptr, hidden, x_row, qkv_ptr, lo, hi, hidden, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
+        _stamp(timing_ptr, pid, 2, TIMING)
 
     # -- phase 1: attention ---------------------------------------------------------------------
     if FUSED:  # the o GEMV's first tiles in flight across the attention
         lo = pid * per_o
         hi = tl.minimum(lo + per_o, hidden)
         w0, w1 = _prefetch(wo_ptr, n_q, lo, hi, n_q, 0, ROWS, BLOCK_K, False, DEPTH)
-        _grid_barrier(barrier_ptr, NPROG)
+        _grid_barrier(barrier_ptr, NPROG, POLL)
+        _stamp(timing_ptr, pid, 3, TIMING)
     if PHASE == 1 and USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -357,10 +375,12 @@ def _sandwich_layer_kernel(
             attn_ptr, part_out_ptr, part_lse_ptr, counter_ptr, pid, scale_log2, num_heads, num_kv_heads,
             stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_SIZE, SPLITS, BLOCK_N,
         )  # fmt: skip
+        _stamp(timing_ptr, pid, 4, TIMING)
 
     # -- phase 2: o GEMV --------------------------------------------------------------------------
     if FUSED:
-        _grid_barrier(barrier_ptr, NPROG)
+        _grid_barrier(barrier_ptr, NPROG, POLL)
+        _stamp(timing_ptr, pid, 5, TIMING)
     if PHASE == 2:
         lo = pid * per_o
         hi = tl.minimum(lo + per_o, hidden)
@@ -370,6 +390,7 @@ def _sandwich_layer_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     if FUSED or PHASE == 2:
         _gemv(wo_ptr, n_q, attn_ptr, o_ptr, lo, hi, n_q, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
+        _stamp(timing_ptr, pid, 6, TIMING)
 
     # -- phase 3: prologue norms, gate/up GEMV + SwiGLU --------------------------------------------
     if FUSED or PHASE == 3:
@@ -379,7 +400,8 @@ def _sandwich_layer_kernel(
         w_in2 = tl.load(win2_ptr + offs_h, mask=mask_h, other=0.0)
         w_post = tl.load(wpost_ptr + offs_h, mask=mask_h, other=0.0)
         if FUSED:
-            _grid_barrier(barrier_ptr, NPROG)
+            _grid_barrier(barrier_ptr, NPROG, POLL)
+            _stamp(timing_ptr, pid, 7, TIMING)
         elif USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -392,6 +414,7 @@ def _sandwich_layer_kernel(
         tl.store(x_row + offs_h, _norm(h, w_post, hidden, eps_post), mask=mask_h)
         tl.debug_barrier()
         _gemv(wgu_ptr, hidden, x_row, g_ptr, lo, hi, hidden, inter, w0, w1, ROWS, BLOCK_K, True, DEPTH, STAGES)
+        _stamp(timing_ptr, pid, 8, TIMING)
 
     # -- phase 4: down GEMV -----------------------------------------------------------------------
     if FUSED or PHASE == 4:
@@ -399,12 +422,14 @@ def _sandwich_layer_kernel(
         hi = tl.minimum(lo + per_down, hidden)
         w0, w1 = _prefetch(wdown_ptr, inter, lo, hi, inter, 0, ROWS, BLOCK_K, False, DEPTH)
         if FUSED:
-            _grid_barrier(barrier_ptr, NPROG)
+            _grid_barrier(barrier_ptr, NPROG, POLL)
+            _stamp(timing_ptr, pid, 9, TIMING)
         if USE_PDL:  # fused: only now, when every program is past its last barrier
             if not FUSED:
                 tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         _gemv(wdown_ptr, inter, g_ptr, d_out_ptr, lo, hi, inter, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
+        _stamp(timing_ptr, pid, 10, TIMING)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,10 +462,20 @@ def layer_config(device: torch.device, dtype: torch.dtype, config: dict | None =
     """Launch parameters from the device and dtype only (CUDA-graph safe); ``config`` overrides
     (keys ``LAYER_CONFIG_KEYS``). CPU (the interpreter): small tiles, phased."""
     if device.type == "cpu":
-        cfg = {"nprog": 4, "rows": 4, "block_k": 32, "depth": 1, "stages": 0, "warps": 4, "block_n": 16, "phased": 1}
+        cfg = {
+            "nprog": 4,
+            "rows": 4,
+            "block_k": 32,
+            "depth": 1,
+            "stages": 0,
+            "poll": 1,
+            "warps": 4,
+            "block_n": 16,
+            "phased": 1,
+        }
     else:
         cfg = {"nprog": _sm_count(device), "rows": 16, "block_k": 1024 if dtype != torch.float32 else 512,
-               "depth": 1, "stages": 0, "warps": 8, "block_n": 32, "phased": 0}  # fmt: skip
+               "depth": 1, "stages": 0, "poll": 1, "warps": 8, "block_n": 32, "phased": 0}  # fmt: skip
     for key, value in (config or {}).items():
         if key not in LAYER_CONFIG_KEYS:
             raise ValueError(f"unknown decode-layer config key {key!r}; known: {sorted(LAYER_CONFIG_KEYS)}")
@@ -503,12 +538,14 @@ def sandwich_layer_triton(
     w_gu: torch.Tensor,
     w_down: torch.Tensor,
     config: dict | None = None,
+    timing: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One decode row of an Ouro layer (see the module docstring); ``(h2, d)``, each ``[1, hidden]``,
     and the new K/V row written into ``kv_cache``. ``w_a`` None: the layer input is ``residual``
     itself (a loop step's first layer), else ``residual + norm_a(y)``. Returns None when the launch
     cannot be made here (no sync buffers yet inside a CUDA-graph capture): the caller then runs
-    the unfused ops."""
+    the unfused ops. ``timing`` (int64 ``[nprog, 16]``, CUDA, fused launch): each program's global
+    timer at its phase boundaries (``benchmarks/layer_chain_bench.py --timeline``)."""
     hidden = residual.shape[-1]
     inter = w_gu.shape[0] // 2
     num_heads, num_kv_heads, head_dim = _head_shape(w_qkv, kv_cache)
@@ -537,6 +574,7 @@ def sandwich_layer_triton(
         y_arg, residual, w_a if w_a is not None else w_in, w_in, w_qkv, cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, w_o, w_in2, w_post, w_gu, w_down,
         h_out, d_out, x_scratch, h_in, qkv, attn, o, g, part_out, part_lse, counters, barrier,
+        timing if timing is not None else barrier,
         hidden, inter, w_qkv.shape[0], n_q, num_heads, num_kv_heads,
         float(eps_a), float(eps_in), float(eps_in2), float(eps_post), float(scale) * _LOG2E,
         *k_cache.stride(),
@@ -559,7 +597,9 @@ def sandwich_layer_triton(
         "BLOCK_K": cfg["block_k"],
         "DEPTH": cfg["depth"],
         "STAGES": cfg["stages"],
+        "POLL": cfg["poll"],
         "USE_PDL": pdl,
+        "TIMING": timing is not None,
     }
     with _interpreter_scope(interpret):
         kernel = _kernel(_sandwich_layer_kernel, interpret)
