@@ -168,4 +168,10 @@ if [[ $what == pending16 ]]; then
   run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" \
     --configs "default;poll=0;phased=1;rows=8,block_k=2048" --timeline "rows=8,block_k=2048"
 fi
+if [[ $what == pending17 ]]; then
+  # session 10: the decode layer with per-element accumulation and warps along rows (block_k 256 / 128)
+  run timeout 330 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
+    "rows=64,block_k=256;rows=64,block_k=256,phased=1;rows=128,block_k=128;rows=32,block_k=256,depth=2;rows=64,block_k=256,warps=16" \
+    --timeline "rows=64,block_k=256"
+fi
 exit 0

@@ -173,12 +173,13 @@ def _load_x(x_ptr, u, K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _unit_step(acc, w, x, u, y_ptr, lo, hi, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
-    """Accumulate unit ``u`` (``w @ x``); after a row tile's last K chunk store its outputs (SwiGLU:
-    gated pairs) and restart the accumulator."""
+    """Accumulate unit ``u`` elementwise (``acc [ROWS, BLOCK_K] += w * x``: no reduction across
+    threads per unit); after a row tile's last K chunk reduce it, store its outputs (SwiGLU: gated
+    pairs) and restart the accumulator."""
     k_chunks = tl.cdiv(K, BLOCK_K)
-    acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    acc += w.to(tl.float32) * x[None, :]
     if u % k_chunks == k_chunks - 1:
-        out = acc.to(y_ptr.dtype.element_ty)
+        out = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)
         rt = u // k_chunks
         if SWIGLU:
             gate, up = tl.split(tl.reshape(out, [ROWS // 2, 2]))
@@ -187,7 +188,7 @@ def _unit_step(acc, w, x, u, y_ptr, lo, hi, K, ROWS: tl.constexpr, BLOCK_K: tl.c
         else:
             offs = lo + rt * ROWS + tl.arange(0, ROWS)
             tl.store(y_ptr + offs, out, mask=offs < hi)
-        acc = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     return acc
 
 
@@ -200,7 +201,7 @@ def _gemv(w_ptr, stride_w, x_ptr, y_ptr, lo, hi, K, HALF, w0, w1, ROWS: tl.const
     registers ``DEPTH`` ahead. ``STAGES > 0``: unit 0 from ``w0``, the rest through Triton's software
     pipeline (``STAGES`` tiles in flight in shared memory)."""
     n_units = _units(lo, hi, K, ROWS, BLOCK_K, SWIGLU)
-    acc = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     if STAGES > 0:
         acc = _unit_step(acc, w0, _load_x(x_ptr, 0, K, BLOCK_K), 0, y_ptr, lo, hi, K, ROWS, BLOCK_K, SWIGLU)
         for u in tl.range(1, n_units, num_stages=STAGES):
