@@ -174,4 +174,11 @@ if [[ $what == pending17 ]]; then
     "rows=64,block_k=256;rows=64,block_k=256,phased=1;rows=128,block_k=128;rows=32,block_k=256,depth=2;rows=64,block_k=256,warps=16" \
     --timeline "rows=64,block_k=256"
 fi
+if [[ $what == pending18 ]]; then
+  # session 10: the decode layer with balanced row ranges and per-phase tiles (wide 64x256, narrow 16x1024)
+  timeout 90 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_decode_layer.py -k "ouro and bfloat16 or repeats" \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+  run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
+    "default;rows=32,block_k=512;rows_n=32,block_k_n=512;depth=2;phased=1;rows_n=8,block_k_n=2048" --timeline "default"
+fi
 exit 0

@@ -67,7 +67,9 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-LAYER_CONFIG_KEYS = frozenset({"nprog", "rows", "block_k", "depth", "stages", "poll", "warps", "block_n", "phased"})
+LAYER_CONFIG_KEYS = frozenset(
+    {"nprog", "rows", "block_k", "rows_n", "block_k_n", "depth", "stages", "poll", "warps", "block_n", "phased"}
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,6 +331,7 @@ def _sandwich_layer_kernel(
     per_qkv, per_o, per_gu, per_down,
     NORM_A: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS_N: tl.constexpr, BLOCK_K_N: tl.constexpr,
     DEPTH: tl.constexpr, STAGES: tl.constexpr, POLL: tl.constexpr, PHASE: tl.constexpr, FUSED: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -364,7 +367,7 @@ def _sandwich_layer_kernel(
     if FUSED:  # the o GEMV's first tiles in flight across the attention
         lo = pid * per_o
         hi = tl.minimum(lo + per_o, hidden)
-        w0, w1 = _prefetch(wo_ptr, n_q, lo, hi, n_q, 0, ROWS, BLOCK_K, False, DEPTH)
+        w0, w1 = _prefetch(wo_ptr, n_q, lo, hi, n_q, 0, ROWS_N, BLOCK_K_N, False, DEPTH)
         _grid_barrier(barrier_ptr, NPROG, POLL)
         _stamp(timing_ptr, pid, 3, TIMING)
     if PHASE == 1 and USE_PDL:
@@ -385,12 +388,12 @@ def _sandwich_layer_kernel(
     if PHASE == 2:
         lo = pid * per_o
         hi = tl.minimum(lo + per_o, hidden)
-        w0, w1 = _prefetch(wo_ptr, n_q, lo, hi, n_q, 0, ROWS, BLOCK_K, False, DEPTH)
+        w0, w1 = _prefetch(wo_ptr, n_q, lo, hi, n_q, 0, ROWS_N, BLOCK_K_N, False, DEPTH)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
     if FUSED or PHASE == 2:
-        _gemv(wo_ptr, n_q, attn_ptr, o_ptr, lo, hi, n_q, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
+        _gemv(wo_ptr, n_q, attn_ptr, o_ptr, lo, hi, n_q, 0, w0, w1, ROWS_N, BLOCK_K_N, False, DEPTH, STAGES)
         _stamp(timing_ptr, pid, 6, TIMING)
 
     # -- phase 3: prologue norms, gate/up GEMV + SwiGLU --------------------------------------------
@@ -421,7 +424,7 @@ def _sandwich_layer_kernel(
     if FUSED or PHASE == 4:
         lo = pid * per_down
         hi = tl.minimum(lo + per_down, hidden)
-        w0, w1 = _prefetch(wdown_ptr, inter, lo, hi, inter, 0, ROWS, BLOCK_K, False, DEPTH)
+        w0, w1 = _prefetch(wdown_ptr, inter, lo, hi, inter, 0, ROWS_N, BLOCK_K_N, False, DEPTH)
         if FUSED:
             _grid_barrier(barrier_ptr, NPROG, POLL)
             _stamp(timing_ptr, pid, 9, TIMING)
@@ -429,7 +432,7 @@ def _sandwich_layer_kernel(
             if not FUSED:
                 tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        _gemv(wdown_ptr, inter, g_ptr, d_out_ptr, lo, hi, inter, 0, w0, w1, ROWS, BLOCK_K, False, DEPTH, STAGES)
+        _gemv(wdown_ptr, inter, g_ptr, d_out_ptr, lo, hi, inter, 0, w0, w1, ROWS_N, BLOCK_K_N, False, DEPTH, STAGES)
         _stamp(timing_ptr, pid, 10, TIMING)
 
 
@@ -455,10 +458,6 @@ def _sync_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | N
     return buffers
 
 
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
 def layer_config(device: torch.device, dtype: torch.dtype, config: dict | None = None) -> dict:
     """Launch parameters from the device and dtype only (CUDA-graph safe); ``config`` overrides
     (keys ``LAYER_CONFIG_KEYS``). CPU (the interpreter): small tiles, phased."""
@@ -467,6 +466,8 @@ def layer_config(device: torch.device, dtype: torch.dtype, config: dict | None =
             "nprog": 4,
             "rows": 4,
             "block_k": 32,
+            "rows_n": 2,
+            "block_k_n": 16,
             "depth": 1,
             "stages": 0,
             "poll": 1,
@@ -475,7 +476,10 @@ def layer_config(device: torch.device, dtype: torch.dtype, config: dict | None =
             "phased": 1,
         }
     else:
-        cfg = {"nprog": _sm_count(device), "rows": 16, "block_k": 1024 if dtype != torch.float32 else 512,
+        # wide phases (q/k/v, gate/up): 64 rows x 256, the warps along the rows (no reduction across
+        # warps); narrow ones (o, down: 16 rows a program): 16 x 1024, reduced once at the end
+        cfg = {"nprog": _sm_count(device), "rows": 64, "block_k": 256, "rows_n": 16,
+               "block_k_n": 1024 if dtype != torch.float32 else 512,
                "depth": 1, "stages": 0, "poll": 1, "warps": 8, "block_n": 32, "phased": 0}  # fmt: skip
     for key, value in (config or {}).items():
         if key not in LAYER_CONFIG_KEYS:
@@ -483,7 +487,7 @@ def layer_config(device: torch.device, dtype: torch.dtype, config: dict | None =
         cfg[key] = int(value)
     if cfg["depth"] not in (1, 2):
         raise ValueError(f"decode-layer depth must be 1 or 2, got {cfg['depth']}")
-    for key in ("rows", "block_k", "block_n"):
+    for key in ("rows", "block_k", "rows_n", "block_k_n", "block_n"):
         if cfg[key] < 2 or cfg[key] & (cfg[key] - 1):
             raise ValueError(f"decode-layer {key} must be a power of two >= 2, got {cfg[key]}")
     if device.type == "cuda" and not cfg["phased"] and cfg["nprog"] > _sm_count(device):
@@ -579,10 +583,10 @@ def sandwich_layer_triton(
         hidden, inter, w_qkv.shape[0], n_q, num_heads, num_kv_heads,
         float(eps_a), float(eps_in), float(eps_in2), float(eps_post), float(scale) * _LOG2E,
         *k_cache.stride(),
-        _round_up(-(-w_qkv.shape[0] // nprog), rows),
-        _round_up(-(-hidden // nprog), rows),
-        _round_up(-(-inter // nprog), rows // 2),
-        _round_up(-(-hidden // nprog), rows),
+        -(-w_qkv.shape[0] // nprog),
+        -(-hidden // nprog),
+        -(-inter // nprog),
+        -(-hidden // nprog),
     )  # fmt: skip
     interpret = _interpret(residual)
     pdl = _use_pdl(residual)
@@ -596,6 +600,8 @@ def sandwich_layer_triton(
         "NPROG": nprog,
         "ROWS": rows,
         "BLOCK_K": cfg["block_k"],
+        "ROWS_N": cfg["rows_n"],
+        "BLOCK_K_N": cfg["block_k_n"],
         "DEPTH": cfg["depth"],
         "STAGES": cfg["stages"],
         "POLL": cfg["poll"],
