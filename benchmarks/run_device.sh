@@ -181,4 +181,9 @@ if [[ $what == pending18 ]]; then
   run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
     "default;rows=32,block_k=512;rows_n=32,block_k_n=512;depth=2;phased=1;rows_n=8,block_k_n=2048" --timeline "default"
 fi
+if [[ $what == pending19 ]]; then
+  # session 10: the decode layer's phases as separate launches with several programs per SM
+  run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
+    "phased=1,nprog=264,warps=8,rows=32,block_k=256,rows_n=8,block_k_n=1024;phased=1,nprog=528,warps=4,rows=16,block_k=512,rows_n=4,block_k_n=1024;phased=1,nprog=1056,warps=4,rows=8,block_k=1024,rows_n=2,block_k_n=1024;phased=1,nprog=2112,warps=4,rows=4,block_k=1024,rows_n=2,block_k_n=1024"
+fi
 exit 0

@@ -562,7 +562,8 @@ def sandwich_layer_triton(
         return None
     barrier, counters = sync
     nprog, rows = cfg["nprog"], cfg["rows"]
-    splits = max(1, triton.next_power_of_2(max(1, nprog // num_heads) + 1) // 2)  # a power of two <= nprog // H
+    # a power of two <= nprog // H, at most 32 (a merge reads every split's partial)
+    splits = min(32, max(1, triton.next_power_of_2(max(1, nprog // num_heads) + 1) // 2))
     if nprog < num_heads * splits:
         raise ValueError(f"decode layer: {nprog} programs cannot hold {num_heads} heads")
     block_h = triton.next_power_of_2(hidden)
