@@ -164,6 +164,18 @@ def candidates(smoke: bool, grid: str):
             )
 
 
+def shape_candidates(hidden: int, inter: int):
+    """The default config, then tiles for the o GEMV ``[hidden, hidden]`` alone and for the down GEMV
+    ``[hidden, inter]`` alone (every other GEMV keeps the default)."""
+    yield "cublas", None
+    yield "gemv default", {}
+    tiles = ((2, 2048, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (1, 2048, 4, 3), (2, 1024, 4, 4), (2, 512, 4, 4))
+    for label, shape in (("o", (hidden, hidden)), ("down", (hidden, inter))):
+        for block_n, block_k, warps, stages in tiles:
+            cfg = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
+            yield f"{label} n{block_n} k{block_k} w{warps} s{stages}", {"shapes": {shape: cfg}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=96)
@@ -172,6 +184,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gemv-only", action="store_true")
     parser.add_argument(
         "--grid", default="1,2,4:1024,2048:2,4:2,3,4", help="block_n:block_k:warps:stages values to sweep"
+    )
+    parser.add_argument(
+        "--shape-sweep",
+        action="store_true",
+        help="vary the o and down GEMVs' tiles alone (block_n:block_k:warps:stages), the rest at the default",
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
@@ -191,7 +208,8 @@ def main(argv=None) -> int:
     ref = chain(x, layers, F.linear, caches, meta, heads, dim, args.gemv_only)
 
     rows = []
-    for name, cfg in candidates(args.smoke, args.grid):
+    sweep = shape_candidates(hidden, inter) if args.shape_sweep else candidates(args.smoke, args.grid)
+    for name, cfg in sweep:
         fold = None
         if cfg is None:
             linear = F.linear
@@ -199,7 +217,11 @@ def main(argv=None) -> int:
             cfg = dict(cfg)
             fold_cfg = cfg.pop("fold", None)
 
-            def linear(a, w, cfg=cfg):
+            shaped = cfg.pop("shapes", None)
+
+            def linear(a, w, cfg=cfg, shaped=shaped):
+                if shaped is not None:
+                    return gemv_mod.linear_gemv(a, w, shaped.get(tuple(w.shape), {}))
                 return gemv_mod.linear_gemv(a, w, cfg)
 
             if fold_cfg is not None:

@@ -186,4 +186,9 @@ if [[ $what == pending19 ]]; then
   run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
     "phased=1,nprog=264,warps=8,rows=32,block_k=256,rows_n=8,block_k_n=1024;phased=1,nprog=528,warps=4,rows=16,block_k=512,rows_n=4,block_k_n=1024;phased=1,nprog=1056,warps=4,rows=8,block_k=1024,rows_n=2,block_k_n=1024;phased=1,nprog=2112,warps=4,rows=4,block_k=1024,rows_n=2,block_k_n=1024"
 fi
+if [[ $what == pending20 ]]; then
+  # session 10: per-shape tiles for the o and down GEMVs on the decode chain (twice, for the spread)
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep1.md"
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep2.md"
+fi
 exit 0
