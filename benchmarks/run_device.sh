@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending14|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending20|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
@@ -149,43 +149,7 @@ if [[ $what == pending13 ]]; then
   # needs commit 086a900)
   run timeout 200 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending14 ]]; then
-  # session 10: the one-launch decode layer (kernels/decode_layer.py): GPU parity, then the Ouro chain
-  timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_decode_layer.py 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -15
-  run timeout 300 python3 benchmarks/layer_chain_bench.py --out "$OUT/layer_chain.md"
-fi
-if [[ $what == pending15 ]]; then
-  # session 10: the decode layer's GEMV streaming (x carried in registers; Triton's pipeline through shared memory)
-  timeout 100 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_decode_layer.py -k "ouro or repeats" 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -5
-  run timeout 330 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
-    "default;stages=3;stages=5;rows=8,block_k=2048;rows=8,block_k=2048,stages=3;rows=8,block_k=2048,stages=5;rows=32,warps=16,stages=3;rows=4,block_k=2048,stages=6"
-fi
-if [[ $what == pending16 ]]; then
-  # session 10: where the decode layer's time goes: barrier cost, phase timeline, phased vs fused
-  run timeout 60 python3 benchmarks/grid_barrier_bench.py
-  run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" \
-    --configs "default;poll=0;phased=1;rows=8,block_k=2048" --timeline "rows=8,block_k=2048"
-fi
-if [[ $what == pending17 ]]; then
-  # session 10: the decode layer with per-element accumulation and warps along rows (block_k 256 / 128)
-  run timeout 330 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
-    "rows=64,block_k=256;rows=64,block_k=256,phased=1;rows=128,block_k=128;rows=32,block_k=256,depth=2;rows=64,block_k=256,warps=16" \
-    --timeline "rows=64,block_k=256"
-fi
-if [[ $what == pending18 ]]; then
-  # session 10: the decode layer with balanced row ranges and per-phase tiles (wide 64x256, narrow 16x1024)
-  timeout 90 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_decode_layer.py -k "ouro and bfloat16 or repeats" \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-  run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
-    "default;rows=32,block_k=512;rows_n=32,block_k_n=512;depth=2;phased=1;rows_n=8,block_k_n=2048" --timeline "default"
-fi
-if [[ $what == pending19 ]]; then
-  # session 10: the decode layer's phases as separate launches with several programs per SM
-  run timeout 300 python3 benchmarks/layer_chain_bench.py --reps 10 --out "$OUT/layer_chain.md" --configs \
-    "phased=1,nprog=264,warps=8,rows=32,block_k=256,rows_n=8,block_k_n=1024;phased=1,nprog=528,warps=4,rows=16,block_k=512,rows_n=4,block_k_n=1024;phased=1,nprog=1056,warps=4,rows=8,block_k=1024,rows_n=2,block_k_n=1024;phased=1,nprog=2112,warps=4,rows=4,block_k=1024,rows_n=2,block_k_n=1024"
-fi
+# pending14..pending19 (session 10: the one-launch decode layer, removed) need commit bf9fb2f.
 if [[ $what == pending20 ]]; then
   # session 10: per-shape tiles for the o and down GEMVs on the decode chain (twice, for the spread)
   run timeout 150 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep1.md"
