@@ -151,8 +151,7 @@ if [[ $what == pending13 ]]; then
 fi
 # pending14..pending19 (session 10: the one-launch decode layer, removed) need commit bf9fb2f.
 if [[ $what == pending20 ]]; then
-  # session 10: per-shape tiles for the o and down GEMVs on the decode chain (twice, for the spread)
-  run timeout 150 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep1.md"
-  run timeout 150 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep2.md"
+  # session 10: per-shape tiles for the o and down GEMVs on the decode chain
+  run timeout 110 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep.md"
 fi
 exit 0
