@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--shape-sweep",
         action="store_true",
-        help="vary the o and down GEMVs' tiles alone (block_n:block_k:warps:stages), the rest at the default",
+        help="vary the o and down GEMVs' tiles alone (the tiles of shape_candidates), the rest at the default",
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
