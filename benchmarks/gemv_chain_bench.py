@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from rlt_compile.kernels import gemv as gemv_mod
+from rlt_compile.kernels import rmsnorm as rmsnorm_mod
 from rlt_compile.kernels.rmsnorm import add_rmsnorm2_triton
 from rlt_compile.kernels.triton_attention import (
     _interpret,
@@ -83,8 +84,8 @@ def make_layers(n_layers, hidden, inter, heads, dim, dtype, device):
     ]
 
 
-def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device):
-    blocks = triton.cdiv(ctx + 1, block_size)
+def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device, table):
+    blocks = triton.cdiv(max(ctx + 1, table), block_size)
     caches = [torch.randn(2, blocks, block_size, heads, dim, device=device, dtype=dtype) for _ in range(n_layers)]
     meta = {
         "slot_mapping": torch.tensor([ctx], device=device, dtype=torch.int64),
@@ -95,7 +96,13 @@ def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device):
     return caches, meta
 
 
-def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None):
+def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, variant=None):
+    """One token through the layer applications. ``variant`` (``variant_candidates``): ``attention``
+    config for the attention op; ``norm_fold``: the two norms in the prologue of the GEMV after them
+    (``gemv.norm_linear_gemv``) instead of their own kernels."""
+    variant = variant or {}
+    if variant.get("norm_fold"):
+        return _chain_norm_fold(x, layers, caches, meta, heads, dim, variant)
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
@@ -108,12 +115,51 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None):
         residual, n = add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
         qkv = linear(n, p["qkv"]).view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, **meta)
+        a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
         o = linear(a.reshape(1, heads * dim), p["o"])
         residual, n = add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
+        if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
+            h = linear(gemv_mod.linear_gemv(n, p["gu"], swiglu=True), p["down"])
+            continue
         gu = linear(n, p["gu"])
         h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
     return h
+
+
+def _chain_norm_fold(x, layers, caches, meta, heads, dim, variant):
+    """``chain`` with each add_rmsnorm2 in the prologue of the next GEMV, the SwiGLU gate in the
+    gate/up GEMV's epilogue (what the compiled model runs)."""
+    h = x
+    residual = torch.zeros_like(x)
+    for i, p in enumerate(layers):
+        norm = gemv_mod.RowNorm(residual, p["n2"], p["n1"], 1e-6, 1e-6, 2)
+        residual, qkv = gemv_mod.norm_linear_gemv(h, norm, p["qkv"])
+        qkv = qkv.view(1, 3, heads, dim)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
+        o = gemv_mod.linear_gemv(a.reshape(1, heads * dim), p["o"])
+        norm = gemv_mod.RowNorm(residual, p["n1"], p["n2"], 1e-6, 1e-6, 2)
+        residual, gate = gemv_mod.norm_linear_gemv(o, norm, p["gu"], swiglu=True)
+        h = gemv_mod.linear_gemv(gate, p["down"])
+    return h
+
+
+def variant_candidates():
+    """The default Triton chain, then one change each: the norms' warps, the norms folded into the
+    next GEMV, decode-attention tiles (the chain's default is the op's own choice)."""
+    yield "cublas", None
+    yield "gemv default", {}
+    yield "swiglu epilogue", {"variant": {"swiglu": True}}
+    for warps in (1, 2, 4):
+        yield f"swiglu epilogue, norm warps {warps}", {"variant": {"swiglu": True, "norm_warps": warps}}
+    yield "norm fold (+ swiglu epilogue)", {"variant": {"norm_fold": True}}
+    for block_n in (16, 32, 128):
+        yield (
+            f"swiglu epilogue, attention block_n {block_n}",
+            {"variant": {"swiglu": True, "attention": {"block_n": block_n}}},
+        )
+    yield "swiglu epilogue, merge in two trips", {"variant": {"swiglu": True, "attention": {"merge_overlap": False}}}
+    yield "norm fold, attention block_n 32", {"variant": {"norm_fold": True, "attention": {"block_n": 32}}}
 
 
 def time_graph(fn, reps):
@@ -190,6 +236,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="vary the o and down GEMVs' tiles alone (the tiles of shape_candidates), the rest at the default",
     )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="one change each to the default chain: norm warps, norms folded into the GEMVs, attention tiles",
+    )
+    parser.add_argument(
+        "--table", type=int, default=0, help="positions the block table describes (default: context + 80, as bench)"
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -202,19 +256,26 @@ def main(argv=None) -> int:
         device, dtype = torch.device("cuda"), torch.bfloat16
         hidden, inter, heads, dim, n_layers = 2048, 5632, 16, 128, args.layers
     layers = make_layers(n_layers, hidden, inter, heads, dim, dtype, device)
-    caches, meta = make_attention(n_layers, heads, dim, args.ctx, 16, dtype, device)
+    caches, meta = make_attention(n_layers, heads, dim, args.ctx, 16, dtype, device, args.table or args.ctx + 80)
     x = torch.randn(1, hidden, device=device, dtype=dtype)
     weight_bytes = sum(t.numel() * t.element_size() for p in layers for t in p.values())
     ref = chain(x, layers, F.linear, caches, meta, heads, dim, args.gemv_only)
 
     rows = []
-    sweep = shape_candidates(hidden, inter) if args.shape_sweep else candidates(args.smoke, args.grid)
+    if args.variants:
+        sweep = variant_candidates()
+    elif args.shape_sweep:
+        sweep = shape_candidates(hidden, inter)
+    else:
+        sweep = candidates(args.smoke, args.grid)
     for name, cfg in sweep:
         fold = None
+        variant = (cfg or {}).get("variant")
         if cfg is None:
             linear = F.linear
         else:
             cfg = dict(cfg)
+            cfg.pop("variant", None)
             fold_cfg = cfg.pop("fold", None)
 
             shaped = cfg.pop("shapes", None)
@@ -229,8 +290,15 @@ def main(argv=None) -> int:
                 def fold(gu, w, cfg=fold_cfg):
                     return gemv_mod.linear_gemv(gu, w, cfg, silu_mul=True)
 
-        def run(linear=linear, fold=fold):
-            return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only, fold)
+        def run(linear=linear, fold=fold, variant=variant):
+            warps = (variant or {}).get("norm_warps")
+            default_warps = rmsnorm_mod._num_warps
+            if warps:
+                rmsnorm_mod._num_warps = lambda block: warps
+            try:
+                return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only, fold, variant)
+            finally:
+                rmsnorm_mod._num_warps = default_warps
 
         try:
             out = run()
