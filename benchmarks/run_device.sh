@@ -154,4 +154,13 @@ if [[ $what == pending20 ]]; then
   # session 10: per-shape tiles for the o and down GEMVs on the decode chain
   run timeout 110 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep.md"
 fi
+if [[ $what == pending21 ]]; then
+  # session 11: the norm folded into the next GEMV, the norms' warps, the decode merge in one trip
+  run timeout 170 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv_norm.py tests/test_gemv.py \
+    tests/test_fuse_rmsnorm.py tests/test_pdl.py tests/test_triton_kernels.py
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
+  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --out "$OUT/decode.md"
+  RLT_ATTENTION_CONFIG=merge_overlap=0 run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b \
+    --eager-steps 0 --compiled-steps 0 --out "$OUT/decode_merge2.md"
+fi
 exit 0
