@@ -133,13 +133,13 @@ def _chain_norm_fold(x, layers, caches, meta, heads, dim, variant):
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
         norm = gemv_mod.RowNorm(residual, p["n2"], p["n1"], 1e-6, 1e-6, 2)
-        residual, qkv = gemv_mod.norm_linear_gemv(h, norm, p["qkv"])
+        residual, qkv = gemv_mod.norm_linear_gemv(h, norm, p["qkv"], variant.get("norm_fold_config"))
         qkv = qkv.view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
         o = gemv_mod.linear_gemv(a.reshape(1, heads * dim), p["o"])
         norm = gemv_mod.RowNorm(residual, p["n1"], p["n2"], 1e-6, 1e-6, 2)
-        residual, gate = gemv_mod.norm_linear_gemv(o, norm, p["gu"], swiglu=True)
+        residual, gate = gemv_mod.norm_linear_gemv(o, norm, p["gu"], variant.get("norm_fold_config"), swiglu=True)
         h = gemv_mod.linear_gemv(gate, p["down"])
     return h
 
@@ -153,12 +153,16 @@ def variant_candidates():
     for warps in (1, 2, 4):
         yield f"swiglu epilogue, norm warps {warps}", {"variant": {"swiglu": True, "norm_warps": warps}}
     yield "norm fold (+ swiglu epilogue)", {"variant": {"norm_fold": True}}
+    for block_n, warps in ((4, 4), (8, 4), (8, 8), (16, 8)):
+        yield (
+            f"norm fold, n{block_n} w{warps}",
+            {"variant": {"norm_fold": True, "norm_fold_config": {"block_n": block_n, "warps": warps}}},
+        )
     for block_n in (16, 32, 128):
         yield (
             f"swiglu epilogue, attention block_n {block_n}",
             {"variant": {"swiglu": True, "attention": {"block_n": block_n}}},
         )
-    yield "swiglu epilogue, merge in two trips", {"variant": {"swiglu": True, "attention": {"merge_overlap": False}}}
     yield "norm fold, attention block_n 32", {"variant": {"norm_fold": True, "attention": {"block_n": 32}}}
 
 
@@ -244,6 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--table", type=int, default=0, help="positions the block table describes (default: context + 80, as bench)"
     )
+    parser.add_argument("--only", default="", help="comma-separated name fragments: run only matching candidates")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -268,7 +273,10 @@ def main(argv=None) -> int:
         sweep = shape_candidates(hidden, inter)
     else:
         sweep = candidates(args.smoke, args.grid)
+    only = [part for part in args.only.split(",") if part]
     for name, cfg in sweep:
+        if only and name != "cublas" and not any(part in name for part in only):
+            continue
         fold = None
         variant = (cfg or {}).get("variant")
         if cfg is None:

@@ -163,4 +163,9 @@ if [[ $what == pending21 ]]; then
   RLT_ATTENTION_CONFIG=merge_overlap=0 run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b \
     --eager-steps 0 --compiled-steps 0 --out "$OUT/decode_merge2.md"
 fi
+if [[ $what == pending22 ]]; then
+  # session 11: the norm-fold GEMV after its sm_90 compile fix, with wider column tiles
+  run timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv_norm.py
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
+fi
 exit 0

@@ -137,10 +137,11 @@ def _gemv_kernel(
         r = v
         if RESIDUAL != 0:
             r = tl.load(res_ptr + offs_k, mask=offs_k < K, other=0.0)
-        h, x = _norm_stages(v, r, w_a, w_b, K, eps_a, eps_b, NORM_A, RESIDUAL, NORM_B)
+        h, x_row = _norm_stages(v, r, w_a, w_b, K, eps_a, eps_b, NORM_A, RESIDUAL, NORM_B)
         if pid == 0:
             tl.store(h_ptr + offs_k, h, mask=offs_k < K)
-        acc += _tile_product(x[None, :], w_first, False)
+        x = x_row[None, :]  # the shape the (empty) loop below gives x
+        acc += _tile_product(x, w_first, False)
         start = K
     elif PREFETCH:
         x = _activations(x_rows, offs_k, mask_m[:, None] & (offs_k[None, :] < K), up_offset, SILU_MUL)

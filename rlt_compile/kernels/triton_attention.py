@@ -329,13 +329,11 @@ def _decode_tile(
 @triton.jit
 def _merge_head(
     part_out_ptr, part_lse_ptr, t64, h, num_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
-    stride_lt, NUM_SPLITS: tl.constexpr, OVERLAP: tl.constexpr,
+    stride_lt, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Head ``h`` of token ``t64`` from its ``NUM_SPLITS`` split-K partial outputs and log2-sum-exps,
     all loaded at once (``num_valid``: NUM_SPLITS, or 0 for a padding row, which gives zeros; empty
-    splits have lse = -inf and weigh nothing). Through L2 (``.cg``): other programs wrote them.
-    OVERLAP: the partial outputs are loaded together with the log2-sum-exps (one memory round trip,
-    not two) and those of empty splits, which may hold anything, are discarded after the load."""
+    splits have lse = -inf and weigh nothing). Through L2 (``.cg``): other programs wrote them."""
     offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
     s_valid = offs_s < num_valid  # (a scalar & block mask misbehaves in the interpreter)
     lse = tl.load(
@@ -345,16 +343,13 @@ def _merge_head(
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty splits
     denom = tl.sum(w, axis=0)
-    part_ptrs = part_out_ptr + offs_s[:, None] * stride_ps + t64 * stride_pt + h * stride_ph + offs_d[None, :]
-    if OVERLAP:
-        parts = tl.load(part_ptrs, mask=s_valid[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        weighted = tl.where(w[:, None] > 0.0, parts * w[:, None], 0.0)
-    else:
-        parts = tl.load(
-            part_ptrs, mask=s_valid[:, None] & (w[:, None] > 0.0) & d_mask[None, :], other=0.0, cache_modifier=".cg"
-        )
-        weighted = parts * w[:, None]
-    return tl.sum(weighted, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    parts = tl.load(
+        part_out_ptr + offs_s[:, None] * stride_ps + t64 * stride_pt + h * stride_ph + offs_d[None, :],
+        mask=s_valid[:, None] & (w[:, None] > 0.0) & d_mask[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
 
 
 @triton.jit
@@ -453,7 +448,6 @@ def _paged_attention_decode_kernel(
     FUSE_WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
     EARLY_READS: tl.constexpr,
-    MERGE_OVERLAP: tl.constexpr,
     PREFETCH: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -568,7 +562,7 @@ def _paged_attention_decode_kernel(
                     h = kv_head * GROUP + r
                     merged = _merge_head(
                         part_out_ptr, part_lse_ptr, t64, h, NUM_SPLITS, offs_d, d_mask,
-                        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, MERGE_OVERLAP,
+                        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
                     )  # fmt: skip
                     o_row = out_ptr + t64 * stride_ot + h * stride_oh + offs_d * stride_od
                     tl.store(o_row, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -603,7 +597,7 @@ def _split_reduce_kernel(
     d_mask = offs_d < head_dim
     out = _merge_head(
         part_out_ptr, part_lse_ptr, t, h, tl.where(valid, NUM_SPLITS, 0), offs_d, d_mask,
-        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, True,
+        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
     )  # fmt: skip
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask
@@ -888,14 +882,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     38.7 vs 25.1 at 8k). Checked with ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots
     (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
-    cfg = {
-        "use_dot": not mha,
-        "waves": 2,
-        "prefetch": True,
-        "fuse_reduce": mha,
-        "early_reads": True,
-        "merge_overlap": True,
-    }
+    cfg = {"use_dot": not mha, "waves": 2, "prefetch": True, "fuse_reduce": mha, "early_reads": True}
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
     elif dtype == torch.float32:
@@ -924,7 +911,6 @@ CONFIG_KEYS = frozenset(
         "prefetch",
         "fuse_reduce",
         "early_reads",
-        "merge_overlap",
         "reduce_warps",
         "mask_split",
         "pad_group",
@@ -1016,8 +1002,7 @@ def paged_attention_triton(
     on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
     (decode), ``waves`` (decode split heuristic), ``fuse_reduce`` / ``early_reads`` (decode: split-K
     merged in the kernel, default on for MHA / metadata read before the PDL wait when the KV write
-    is fused, default on), ``merge_overlap`` (decode: the fused merge loads the partials with their
-    log2-sum-exps, default on), ``reduce_warps``; defaults come from ``RLT_ATTENTION_CONFIG``; unified
+    is fused, default on), ``reduce_warps``; defaults come from ``RLT_ATTENTION_CONFIG``; unified
     kernel only:
     ``mask_split`` (default True: unmasked key tiles below the diagonal), ``pad_group`` (default
     False: GQA rows padded to a power of two per token, the old layout), ``reverse_tiles`` (default
@@ -1176,7 +1161,6 @@ def _attention(
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=fuse and bool(cfg["early_reads"]),
-                MERGE_OVERLAP=bool(cfg["merge_overlap"]),
                 PREFETCH=bool(cfg["prefetch"]),
                 PRECISION=precision,
                 USE_PDL=pdl,
