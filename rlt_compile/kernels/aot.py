@@ -358,10 +358,6 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     rope = gemv.RopeColumns(cos, cos, 0, workload.hidden // workload.head_dim * workload.head_dim, workload.head_dim)
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, rope=rope)
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, swiglu=True)
-    row = torch.empty(1, workload.hidden, dtype=dtype, device="meta")  # a norm in the prologue, each epilogue
-    norm = gemv.RowNorm(row, weight[0], weight[0], 1e-6, 1e-6, 2)
-    for epilogue in ({}, {"rope": rope}, {"swiglu": True}):
-        gemv.norm_linear_gemv(row, norm, weight, **epilogue)
     gemv.silu_gate_triton(torch.empty(8, 2 * workload.hidden, dtype=dtype, device="meta"))  # fuse_swiglu_gemv
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)

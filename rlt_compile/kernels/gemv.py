@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from rlt_compile.kernels.reference import apply_rope_half
-from rlt_compile.kernels.rmsnorm import _norm_stages, _norm_weights
 from rlt_compile.kernels.triton_attention import (
     _interpret,
     _interpreter_scope,
@@ -45,8 +44,6 @@ __all__ = [
     "gemv_config",
     "linear_gemv",
     "linear_small",
-    "norm_linear_gemv",
-    "RowNorm",
     "rope_columns_reference",
     "rope_columns_triton",
     "rope_linear_small",
@@ -81,12 +78,6 @@ def _gemv_kernel(
     rope_lo,
     rope_hi,
     swiglu_half,
-    res_ptr,
-    na_ptr,
-    nb_ptr,
-    h_ptr,
-    eps_a,
-    eps_b,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -95,10 +86,6 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     ROPE_HALF: tl.constexpr,
     SWIGLU: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_A: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    NORM_B: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -119,8 +106,6 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
         w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
-    if NORM:  # so are the norm weights
-        w_a, w_b = _norm_weights(na_ptr, nb_ptr, offs_k, offs_k < K, NORM_A, NORM_B)
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -132,18 +117,7 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     start = 0
-    if NORM:  # one row, one K tile: every program normalises the whole row itself, program 0 stores h
-        v = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
-        r = v
-        if RESIDUAL != 0:
-            r = tl.load(res_ptr + offs_k, mask=offs_k < K, other=0.0)
-        h, x_row = _norm_stages(v, r, w_a, w_b, K, eps_a, eps_b, NORM_A, RESIDUAL, NORM_B)
-        if pid == 0:
-            tl.store(h_ptr + offs_k, h, mask=offs_k < K)
-        x = x_row[None, :]  # the shape the (empty) loop below gives x
-        acc += _tile_product(x, w_first, False)
-        start = K
-    elif PREFETCH:
+    if PREFETCH:
         x = _activations(x_rows, offs_k, mask_m[:, None] & (offs_k[None, :] < K), up_offset, SILU_MUL)
         acc += _tile_product(x, w_first, USE_DOT)
         start = BLOCK_K
@@ -368,21 +342,6 @@ def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
     )
 
 
-@dataclass(frozen=True)
-class RowNorm:
-    """The fused norm before a one-row GEMV, the stages of ``kernels/rmsnorm.py``: the GEMV's input
-    ``y`` becomes ``(h, out)`` with [``residual_mode == 1``: ``y = residual + y``]; [``weight_a``:
-    ``y = rmsnorm_a(y)``]; [``residual_mode == 2``: ``y = residual + y``]; ``h = y``; ``out =
-    rmsnorm_b(y)`` if ``weight_b`` is given, else ``y``. The GEMV multiplies ``out``."""
-
-    residual: torch.Tensor | None
-    weight_a: torch.Tensor | None
-    weight_b: torch.Tensor | None
-    eps_a: float
-    eps_b: float
-    residual_mode: int
-
-
 def linear_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -396,41 +355,6 @@ def linear_gemv(
     ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``; with
     ``swiglu`` (one row only, ``weight`` a gate/up pair ``[2I, K]``, gate rows first), ``silu(gate) *
     up`` of the two halves of the output, ``[..., I]``."""
-    return _gemv(x, weight, config, silu_mul, rope, swiglu, None)[0]
-
-
-def norm_linear_gemv(
-    y: torch.Tensor,
-    norm: RowNorm,
-    weight: torch.Tensor,
-    config: dict | None = None,
-    rope: RopeColumns | None = None,
-    swiglu: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: ``(h, linear_gemv(out, weight, ...))`` for ``(h, out)`` the ``norm`` stages of ``y``,
-    in one launch: every program normalises the whole row itself (the weights of its first tile,
-    which spans the whole row, and the norm weights read before the PDL wait), program 0 stores
-    ``h``."""
-    return _gemv(y, weight, config, False, rope, swiglu, norm)[::-1]
-
-
-def _check_norm(y: torch.Tensor, norm: RowNorm, k: int) -> None:
-    rows = y.numel() // y.shape[-1] if y.shape[-1] else 0
-    problems = [f"{rows} rows (one only)"] if rows != 1 else []
-    if norm.residual is not None and (norm.residual.shape != y.shape or norm.residual.dtype != y.dtype):
-        problems.append(f"residual {tuple(norm.residual.shape)} {norm.residual.dtype}")
-    for name, w in (("weight_a", norm.weight_a), ("weight_b", norm.weight_b)):
-        if w is not None and (tuple(w.shape) != (k,) or w.dtype != y.dtype):
-            problems.append(f"{name} {tuple(w.shape)} {w.dtype}")
-    if (norm.residual is None) != (norm.residual_mode == 0) or norm.residual_mode not in (0, 1, 2):
-        problems.append(f"residual_mode {norm.residual_mode}")
-    if problems:
-        raise ValueError(f"norm_linear_gemv on y {tuple(y.shape)} {y.dtype}: bad " + ", ".join(problems))
-
-
-def _gemv(x, weight, config, silu_mul, rope, swiglu, norm):
-    """The launch behind ``linear_gemv`` / ``norm_linear_gemv``: returns ``(y, h)`` (``h`` None without
-    ``norm``)."""
     if rope is not None and not supports_rope(x, weight, rope):
         raise ValueError(
             f"linear_gemv with rope needs one row, a column range [lo, hi) of whole heads inside the output "
@@ -450,10 +374,6 @@ def _gemv(x, weight, config, silu_mul, rope, swiglu, norm):
     n, k = weight.shape
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     cfg.update(config or {})
-    if norm is not None:
-        _check_norm(x, norm, k)
-        cfg["block_k"] = max(16, triton.next_power_of_2(k))  # the whole row in one tile
-        cfg["prefetch"] = True
     use_dot = bool(cfg["dot"])
     if m > 1 and not use_dot:
         raise ValueError(f"linear_gemv: {m} rows need the tl.dot tile (config dot=True); only one row runs without it")
@@ -466,8 +386,6 @@ def _gemv(x, weight, config, silu_mul, rope, swiglu, norm):
         )
     n_out = n // 2 if swiglu else n
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(x2) if norm is not None else None
-    mode = norm.residual_mode if norm is not None else 0
     interpret = _interpret(x)
     pdl = _use_pdl(x)
     with _interpreter_scope(interpret):
@@ -487,12 +405,6 @@ def _gemv(x, weight, config, silu_mul, rope, swiglu, norm):
             rope.lo if rope is not None else 0,
             rope.hi if rope is not None else 0,
             n_out,
-            norm.residual.reshape(-1).contiguous() if norm is not None and norm.residual is not None else x2,
-            norm.weight_a if norm is not None and norm.weight_a is not None else x2,
-            norm.weight_b if norm is not None and norm.weight_b is not None else x2,
-            h if h is not None else y,
-            float(norm.eps_a) if norm is not None else 0.0,
-            float(norm.eps_b) if norm is not None else 0.0,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
@@ -501,16 +413,12 @@ def _gemv(x, weight, config, silu_mul, rope, swiglu, norm):
             USE_DOT=use_dot,
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             SWIGLU=swiglu,
-            NORM=norm is not None,
-            NORM_A=norm is not None and norm.weight_a is not None,
-            RESIDUAL=mode,
-            NORM_B=norm is not None and norm.weight_b is not None,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
             **_pdl_launch_options(pdl),
         )
-    return y.reshape(*x.shape[:-1], n_out), (h.reshape(x.shape) if h is not None else None)
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:

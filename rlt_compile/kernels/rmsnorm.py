@@ -86,60 +86,37 @@ def _fused_rmsnorm_kernel(
     NORM_B: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Per row: ``(h, out) = _norm_stages(y, residual)``; store ``h``; [NORM_B: store ``out``]."""
+    """Per row: ``v = y``; [RESIDUAL == 1: ``v = r + v``]; [NORM_A: ``v = norm_a(v)``];
+    [RESIDUAL == 2: ``v = r + v``]; store ``v`` to ``h``; [NORM_B: store ``norm_b(v)`` to ``out``]."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     # The norm weights are parameters, never written by the previous kernel: read them before the
     # PDL wait, so their latency overlaps the previous kernel instead of following the reduction.
-    w_a, w_b = _norm_weights(wa_ptr, wb_ptr, offs, mask, NORM_A, NORM_B)
+    if NORM_A:
+        w_a = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM_B:
+        w_b = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading activations
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     v = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
-    r = v
-    if RESIDUAL != 0:  # loaded with y, not after norm a: one round trip for both
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-    h, out = _norm_stages(v, r, w_a, w_b, n_cols, eps_a, eps_b, NORM_A, RESIDUAL, NORM_B)
-    tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
-    if NORM_B:
-        tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
-
-
-@triton.jit
-def _norm_weights(wa_ptr, wb_ptr, offs, mask, NORM_A: tl.constexpr, NORM_B: tl.constexpr):
-    """The norm weights in fp32 (a placeholder for an absent norm)."""
-    w_a = tl.zeros(offs.shape, dtype=tl.float32)
-    w_b = w_a
-    if NORM_A:
-        w_a = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM_B:
-        w_b = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return w_a, w_b
-
-
-@triton.jit
-def _norm_stages(
-    v, r, w_a, w_b, n_cols, eps_a, eps_b, NORM_A: tl.constexpr, RESIDUAL: tl.constexpr, NORM_B: tl.constexpr
-):
-    """One row ``v`` (masked lanes 0) through the stages: [RESIDUAL == 1: ``v = r + v``]; [NORM_A:
-    ``v = norm_a(v)``]; [RESIDUAL == 2: ``v = r + v``]; ``h = v``; ``out = norm_b(v)`` if NORM_B, else
-    ``v``. Returns ``(h, out)`` in ``v``'s dtype, rounded like the eager model."""
     dtype = v.dtype
     if RESIDUAL == 1:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     if NORM_A:
         xf = v.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_a)
         v = (w_a * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
     if RESIDUAL == 2:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
-    out = v
+    tl.store(h_ptr + row * stride_h + offs, v, mask=mask)
     if NORM_B:
         xf = v.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_b)
-        out = (w_b * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
-    return v, out
+        tl.store(out_ptr + row * stride_o + offs, (w_b * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
