@@ -48,6 +48,8 @@ class EngineProfile:
     launches_per_token: float | None = None  # host launch API calls (a graph replay is one) per token
     ops_per_token: float | None = None  # CPU: aten ops per token (the smoke mode's stand-in for launches)
     profiled_steps: int = 0
+    idle_us_per_step: float | None = None  # device idle time inside the profiled range, per step
+    gaps: list | None = None  # the largest idle gaps by neighbours: (before, after, count, us per step)
 
 
 def _union_ms(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -60,6 +62,27 @@ def _union_ms(intervals: list[tuple[float, float]], lo: float, hi: float) -> flo
         total += b - max(a, end)
         end = b
     return total
+
+
+def idle_gaps(device: list[tuple[float, float, str]], lo: float, hi: float, min_us: float = 0.5, top: int = 8):
+    """Idle time of the device inside ``[lo, hi]`` (profiler microseconds): the total, and the gaps of at
+    least ``min_us`` grouped by the activities before and after them, largest total first, as
+    ``(before, after, count, total us)``. Names are cut to 70 characters."""
+    spans = sorted((max(a, lo), min(b, hi), n) for a, b, n in device if b > lo and a < hi)
+    groups: dict[tuple[str, str], list] = {}
+    idle, end, before = 0.0, lo, "(range start)"
+    for a, b, name in spans:
+        if a > end:
+            idle += a - end
+            if a - end >= min_us:
+                entry = groups.setdefault((before[:70], name[:70]), [0, 0.0])
+                entry[0] += 1
+                entry[1] += a - end
+        if b > end:
+            end, before = b, name
+    idle += max(0.0, hi - end)
+    ranked = sorted(((k[0], k[1], c, t) for k, (c, t) in groups.items()), key=lambda g: -g[3])
+    return idle, ranked[:top]
 
 
 def analyze_engine_trace(events, tokens: int, device_type: str) -> dict:
@@ -91,7 +114,11 @@ def analyze_engine_trace(events, tokens: int, device_type: str) -> dict:
     fractions = [_union_ms(intervals, a, b) / (b - a) for a, b in steps if b > a]
     lo, hi = steps[0][0], steps[-1][1]
     kernels = sum(1 for a, b, n in device if lo <= a < hi and not n.lower().startswith(("memcpy", "memset")))
+    idle, gaps = idle_gaps(device, lo, hi)
+    n_steps = len(steps)
     out.update(
+        idle_us_per_step=idle / n_steps,
+        gaps=[(before, after, count, total / n_steps) for before, after, count, total in gaps],
         busy=_union_ms(intervals, lo, hi) / (hi - lo),
         busy_per_step_mean=sum(fractions) / len(fractions),
         busy_per_step_min=min(fractions),
@@ -237,6 +264,18 @@ def engine_markdown(results: list[EngineProfile], title: str) -> str:
         "nodes; host launches/token counts launch/copy API calls (a graph replay is one).",
         "",
     ]
+    for r in results:
+        if not r.gaps:
+            continue
+        lines += [
+            f"Device idle, batch {r.batch} {r.engine}: {r.idle_us_per_step:.1f} us per step; the largest gaps "
+            "(>= 0.5 us) by the activities around them:",
+            "",
+            "| before the gap | after the gap | gaps | us per step |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| `{b}` | `{a}` | {c} | {t:.1f} |" for b, a, c, t in r.gaps]
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -360,6 +360,22 @@ def test_engine_trace_busy_fraction_is_the_union_of_device_intervals():
     assert out["busy_per_step_min"] == pytest.approx(0.2)
     assert out["kernels_per_token"] == pytest.approx(3 / 2)  # copies are not kernels
     assert out["launches_per_token"] == pytest.approx(2 / 2)
+    # idle: [0, 20), [90, 150), [160, 190) = 110 us over 2 steps, each gap named by its neighbours
+    assert out["idle_us_per_step"] == pytest.approx(110 / 2)
+    assert out["gaps"] == [
+        ("rmsnorm", "Memcpy HtoD (Pinned -> Device)", 1, 30.0),
+        ("Memcpy HtoD (Pinned -> Device)", "argmax", 1, 15.0),
+        ("(range start)", "gemv", 1, 10.0),
+    ]
+
+
+def test_idle_gaps_group_repeated_neighbours_and_skip_short_gaps():
+    from rlt_compile.engine_profile import idle_gaps
+
+    device = [("a", 0, 10), ("b", 12, 20), ("a", 20.2, 30), ("b", 33, 40), ("c", 38, 45)]
+    idle, gaps = idle_gaps([(s, e, n) for n, s, e in device], 0, 50, min_us=0.5)
+    assert idle == pytest.approx(2 + 0.2 + 3 + 5)  # the 0.2 us gap counts as idle, not as a listed gap
+    assert gaps == [("a", "b", 2, 5.0)]  # the tail after c is idle but has no activity after it
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
