@@ -169,7 +169,7 @@ if [[ $what == pending22 ]]; then
   run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
 fi
 if [[ $what == pending23 ]]; then
-  # session 11: where the device idles in an engine decode step (issue 10)
+  # session 11: where the device idles in an engine decode step (issue 10); rerun after the profiled run stopped draining the pipeline first
   run timeout 400 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
     --out "$OUT/engine_profile.md"
 fi
