@@ -172,5 +172,9 @@ if [[ $what == pending23 ]]; then
   # session 11: where the device idles in an engine decode step (issue 10); rerun after the profiled run stopped draining the pipeline first
   run timeout 400 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
     --out "$OUT/engine_profile.md"
+  RLT_COPY_STREAM=0 run timeout 150 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1 \
+    --out "$OUT/engine_profile_copy0.md"
+  RLT_UVA=1 run timeout 150 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1 \
+    --out "$OUT/engine_profile_uva.md"
 fi
 exit 0
