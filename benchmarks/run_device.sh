@@ -177,4 +177,11 @@ if [[ $what == pending23 ]]; then
   RLT_UVA=1 run timeout 150 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1 \
     --out "$OUT/engine_profile_uva.md"
 fi
+if [[ $what == pending24 ]]; then
+  # session 11: the async engine's GPU tests on the final tree, and the batch-1 engine profile again (issue 10)
+  run timeout 300 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_async_engine.py \
+    tests/test_async_pipeline.py tests/test_input_buffers.py tests/test_engine_gpu.py
+  run timeout 150 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1 \
+    --out "$OUT/engine_profile_b1.md"
+fi
 exit 0
