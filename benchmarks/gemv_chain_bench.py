@@ -98,11 +98,9 @@ def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device, table):
 
 def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, variant=None):
     """One token through the layer applications. ``variant`` (``variant_candidates``): ``attention``
-    config for the attention op; ``norm_fold``: the two norms in the prologue of the GEMV after them
-    (``gemv.norm_linear_gemv``) instead of their own kernels."""
+    config for the attention op, ``swiglu``: the gate in the gate/up GEMV's epilogue (what the
+    compiled model runs), ``norm_warps``: the norm kernels' warps (set by ``main``)."""
     variant = variant or {}
-    if variant.get("norm_fold"):
-        return _chain_norm_fold(x, layers, caches, meta, heads, dim, variant)
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
@@ -126,44 +124,20 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
     return h
 
 
-def _chain_norm_fold(x, layers, caches, meta, heads, dim, variant):
-    """``chain`` with each add_rmsnorm2 in the prologue of the next GEMV, the SwiGLU gate in the
-    gate/up GEMV's epilogue (what the compiled model runs)."""
-    h = x
-    residual = torch.zeros_like(x)
-    for i, p in enumerate(layers):
-        norm = gemv_mod.RowNorm(residual, p["n2"], p["n1"], 1e-6, 1e-6, 2)
-        residual, qkv = gemv_mod.norm_linear_gemv(h, norm, p["qkv"], variant.get("norm_fold_config"))
-        qkv = qkv.view(1, 3, heads, dim)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
-        o = gemv_mod.linear_gemv(a.reshape(1, heads * dim), p["o"])
-        norm = gemv_mod.RowNorm(residual, p["n1"], p["n2"], 1e-6, 1e-6, 2)
-        residual, gate = gemv_mod.norm_linear_gemv(o, norm, p["gu"], variant.get("norm_fold_config"), swiglu=True)
-        h = gemv_mod.linear_gemv(gate, p["down"])
-    return h
-
-
 def variant_candidates():
-    """The default Triton chain, then one change each: the norms' warps, the norms folded into the
-    next GEMV, decode-attention tiles (the chain's default is the op's own choice)."""
+    """The default Triton chain, then one change each: the SwiGLU gate epilogue, the norms' warps,
+    decode-attention tiles (the chain's default is the op's own choice). (Session 11 also ran both
+    norms folded into the next GEMV's prologue here: slower, removed; docs/benchmarks.md.)"""
     yield "cublas", None
     yield "gemv default", {}
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
     for warps in (1, 2, 4):
         yield f"swiglu epilogue, norm warps {warps}", {"variant": {"swiglu": True, "norm_warps": warps}}
-    yield "norm fold (+ swiglu epilogue)", {"variant": {"norm_fold": True}}
-    for block_n, warps in ((4, 4), (8, 4), (8, 8), (16, 8)):
-        yield (
-            f"norm fold, n{block_n} w{warps}",
-            {"variant": {"norm_fold": True, "norm_fold_config": {"block_n": block_n, "warps": warps}}},
-        )
     for block_n in (16, 32, 128):
         yield (
             f"swiglu epilogue, attention block_n {block_n}",
             {"variant": {"swiglu": True, "attention": {"block_n": block_n}}},
         )
-    yield "norm fold, attention block_n 32", {"variant": {"norm_fold": True, "attention": {"block_n": 32}}}
 
 
 def time_graph(fn, reps):
@@ -243,7 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--variants",
         action="store_true",
-        help="one change each to the default chain: norm warps, norms folded into the GEMVs, attention tiles",
+        help="one change each to the default chain: SwiGLU epilogue, norm warps, attention tiles",
     )
     parser.add_argument(
         "--table", type=int, default=0, help="positions the block table describes (default: context + 80, as bench)"

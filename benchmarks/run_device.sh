@@ -154,20 +154,8 @@ if [[ $what == pending20 ]]; then
   # session 10: per-shape tiles for the o and down GEMVs on the decode chain
   run timeout 110 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep.md"
 fi
-if [[ $what == pending21 ]]; then
-  # session 11: the norm folded into the next GEMV, the norms' warps, the decode merge in one trip
-  run timeout 170 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv_norm.py tests/test_gemv.py \
-    tests/test_fuse_rmsnorm.py tests/test_pdl.py tests/test_triton_kernels.py
-  run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
-  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --out "$OUT/decode.md"
-  RLT_ATTENTION_CONFIG=merge_overlap=0 run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b \
-    --eager-steps 0 --compiled-steps 0 --out "$OUT/decode_merge2.md"
-fi
-if [[ $what == pending22 ]]; then
-  # session 11: the norm-fold GEMV after its sm_90 compile fix, with wider column tiles
-  run timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv_norm.py
-  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
-fi
+# pending21 / pending22 (session 11: the norm folded into the next GEMV, merge in one trip) need commits
+# 9b6f60e / e7cf4e0: both were removed as no faster (docs/benchmarks.md, session 11).
 if [[ $what == pending23 ]]; then
   # session 11: where the device idles in an engine decode step (issue 10); rerun after the profiled run stopped draining the pipeline first
   run timeout 400 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1,32,128 \
