@@ -172,4 +172,8 @@ if [[ $what == pending24 ]]; then
   run timeout 150 python3 -m rlt_compile.bench --engine-profile --model ouro-1.4b --batches 1 \
     --out "$OUT/engine_profile_b1.md"
 fi
+if [[ $what == pending25 ]]; then
+  # session 11: all four models on the final tree (issue 4's table: eager, compiled, graphs, compile time)
+  run timeout 560 python3 -m rlt_compile.bench --model all --eager-steps 2 --compiled-steps 8 --out "$OUT/decode_all.md"
+fi
 exit 0
