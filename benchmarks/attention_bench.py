@@ -243,7 +243,10 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     cands.append(("warps=8" if group > 1 else "warps=2", {"warps": 8 if group > 1 else 2}))
     cands.append(("stages=3" if group > 1 else "stages=1", {"stages": 3 if group > 1 else 1}))
     cands.append(("no table prefetch", {"prefetch": False}))
-    cands.append(("split reduce kernel", {"fuse_reduce": False}))
+    if group > 1:  # GQA's default is the reduce kernel: the other way round
+        cands.append(("fused merge", {"fuse_reduce": True}))
+    else:
+        cands.append(("split reduce kernel", {"fuse_reduce": False}))
     cands.append(("metadata after the PDL wait", {"early_reads": False}))
     if group == 1:
         cands.append(("no tl.dot (multiply + sum)", {"use_dot": False}))
@@ -576,13 +579,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--no-table", action="store_true", help="with a sweep: skip the decode/prefill tables")
     parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph", help="CUDA timing method")
+    parser.add_argument("--models", default="", help="comma-separated name fragments: only these models")
     args = parser.parse_args(argv)
-    global TIMER
+    global TIMER, MODELS
     TIMER = args.timer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        global MODELS
         MODELS = {"tiny MHA 2x16": (2, 2, 16), "tiny GQA 4/2x16": (4, 2, 16)}
         batches, contexts, prefill, copy_bytes = [1, 2], [40], [(2, 32)], 1 << 20
         sweep_batches, sweep_contexts = [2], [40]
@@ -594,6 +597,9 @@ def main(argv=None) -> int:
         batches, contexts, prefill, copy_bytes = [1, 32, 128], [1024, 8192], [(8, 1024), (1, 8192)], 1 << 30
         sweep_batches, sweep_contexts = SWEEP_BATCHES, SWEEP_CONTEXTS
         prefill_tiles = PREFILL_TILES
+    fragments = [part for part in args.models.split(",") if part]
+    if fragments:
+        MODELS = {name: dims for name, dims in MODELS.items() if any(part in name for part in fragments)}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     start = time.time()
     copy_gbps = copy_bandwidth(device, copy_bytes)

@@ -176,4 +176,11 @@ if [[ $what == pending25 ]]; then
   # session 11: all four models on the final tree (issue 4's table: eager, compiled, graphs, compile time)
   run timeout 560 python3 -m rlt_compile.bench --model all --eager-steps 2 --compiled-steps 8 --out "$OUT/decode_all.md"
 fi
+if [[ $what == pending26 ]]; then
+  # session 11: GQA's split-K merged in the decode kernel, the group's heads at once (issue 3)
+  run timeout 170 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige --out "$OUT/attention_sweep.md"
+  run timeout 90 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k decode_kernel_parity
+  RLT_ATTENTION_CONFIG=fuse_reduce=1 run timeout 70 python3 -m rlt_compile.bench --model nanbeige4.2-3b \
+    --eager-steps 0 --compiled-steps 0 --out "$OUT/nb_fused.md"
+fi
 exit 0

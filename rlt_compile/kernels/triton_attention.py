@@ -353,6 +353,40 @@ def _merge_head(
 
 
 @triton.jit
+def _merge_group(
+    part_out_ptr, part_lse_ptr, t64, heads, rows_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
+    stride_lt, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """``_merge_head`` for the rows ``heads`` ``[ROWS]`` of a GQA group at once: ``[ROWS, BLOCK_D]``
+    (rows not ``rows_valid`` give zeros)."""
+    offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
+    lse = tl.load(
+        part_lse_ptr + offs_s[None, :] * stride_ls + t64 * stride_lt + heads[:, None],
+        mask=rows_valid[:, None],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    m = tl.max(lse, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m[:, None])  # [ROWS, NUM_SPLITS]; 0 for empty splits
+    denom = tl.sum(w, axis=1)
+    part_ptrs = (
+        part_out_ptr
+        + offs_s[None, :, None] * stride_ps
+        + t64 * stride_pt
+        + heads[:, None, None] * stride_ph
+        + offs_d[None, None, :]
+    )
+    parts = tl.load(
+        part_ptrs,
+        mask=rows_valid[:, None, None] & (w[:, :, None] > 0.0) & d_mask[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return tl.sum(parts * w[:, :, None], axis=1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_start(
     query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -558,14 +592,19 @@ def _paged_attention_decode_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has counted: reset
-                for r in tl.static_range(GROUP):
-                    h = kv_head * GROUP + r
+                if GROUP == 1:
                     merged = _merge_head(
-                        part_out_ptr, part_lse_ptr, t64, h, NUM_SPLITS, offs_d, d_mask,
+                        part_out_ptr, part_lse_ptr, t64, kv_head, NUM_SPLITS, offs_d, d_mask,
                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
                     )  # fmt: skip
-                    o_row = out_ptr + t64 * stride_ot + h * stride_oh + offs_d * stride_od
+                    o_row = out_ptr + t64 * stride_ot + kv_head * stride_oh + offs_d * stride_od
                     tl.store(o_row, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+                else:  # the group's heads at once: two memory round trips, not two per head
+                    merged = _merge_group(
+                        part_out_ptr, part_lse_ptr, t64, head, row_valid, offs_d, d_mask,
+                        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
+                    )  # fmt: skip
+                    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _split_reduce_kernel(
