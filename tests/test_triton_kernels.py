@@ -681,7 +681,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs = [None, {"splits": 1}, {"splits": 8}, {"splits": 64, "block_n": 16}, {"use_dot": group == 1}]
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
     configs += [{"prefetch": False}, {"waves": 4}]
-    configs += [{"fuse_reduce": not group == 1, "splits": 2}, {"fuse_reduce": not group == 1, "splits": 8}]
+    configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     for config in configs:
         check_attention(case, None, tol=tol, config=config, fused=fused)
 
