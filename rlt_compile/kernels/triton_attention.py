@@ -916,9 +916,11 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     head dim, so no tile rows are padding (on the H200 the 16-row ``tl.dot`` tile was faster alone,
     1.2x at batch 1 and 8k, but Ouro-1.4B's batch-1 decode slowed from 4.33 to 4.55 ms/token with
     it). GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows).
-    Split-K is merged in the kernel for MHA only (``fuse_reduce``): for GQA the last split's merge
-    of the group's heads took longer than the reduce kernel (H200 batch 1: 13.4 vs 10.6 us at 128,
-    38.7 vs 25.1 at 8k). Checked with ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots
+    Split-K is merged in the kernel for MHA only (``fuse_reduce``). For GQA the last split merges the
+    group's heads at once, which on the H200 (Nanbeige, session 11) was 1.03-1.05x faster than the
+    reduce kernel at 2-16 splits (batch 32 at 128 / 1k, batch 1 at 1k), the same at batch 128, but
+    0.79x at batch 1 and 8k (64 splits: 31.8 vs 25.2 us), and no faster end to end (Nanbeige batch-1
+    decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. Checked with ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots
     (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {"use_dot": not mha, "waves": 2, "prefetch": True, "fuse_reduce": mha, "early_reads": True}
