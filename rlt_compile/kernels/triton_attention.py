@@ -920,8 +920,8 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     group's heads at once, which on the H200 (Nanbeige, session 11) was 1.03-1.05x faster than the
     reduce kernel at 2-16 splits (batch 32 at 128 / 1k, batch 1 at 1k), the same at batch 128, but
     0.79x at batch 1 and 8k (64 splits: 31.8 vs 25.2 us), and no faster end to end (Nanbeige batch-1
-    decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. Checked with ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots
-    (ieee: FMA) need 8 warps (4 spill)."""
+    decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. Checked with ptxas -v
+    (sm_90): no spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {"use_dot": not mha, "waves": 2, "prefetch": True, "fuse_reduce": mha, "early_reads": True}
     if interpret:
