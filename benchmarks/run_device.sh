@@ -183,4 +183,13 @@ if [[ $what == pending26 ]]; then
   RLT_ATTENTION_CONFIG=fuse_reduce=1 run timeout 70 python3 -m rlt_compile.bench --model nanbeige4.2-3b \
     --eager-steps 0 --compiled-steps 0 --out "$OUT/nb_fused.md"
 fi
+if [[ $what == pending27 ]]; then
+  # session 12: the norms accumulated inside the next GEMV (kernels/norm_gemv.py) on the decode chain; where an
+  # Ouro token's time goes outside the layer chain (issue 4)
+  run timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_norm_gemv.py tests/test_gemv.py \
+    tests/test_fuse_rmsnorm.py tests/test_fuse_rope_gemv.py
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
+  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile \
+    --out "$OUT/ouro_profile.md"
+fi
 exit 0

@@ -342,7 +342,7 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
     folded in; one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
-    gating kernels for more rows. Prefill
+    gating kernels for more rows; the norm-folding GEMV (``norm_gemv``) with either epilogue. Prefill
     linears run ``F.linear``."""
     if mode == "prefill":
         return
@@ -362,6 +362,13 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)
     gemv.rope_columns_triton(torch.empty(8, workload.hidden, dtype=dtype, device="meta"), rows)
+    from rlt_compile.kernels import norm_gemv  # the norm folded into the q/k/v and gate/up GEMVs
+
+    row = torch.empty(1, workload.hidden, dtype=dtype, device="meta")
+    norm = torch.empty(workload.hidden, dtype=dtype, device="meta")
+    for norm_mode in norm_gemv.NORM_MODES:
+        norm_gemv.norm_linear_gemv(norm_mode, weight, row, norm, 1e-6, d=row, norm_a=norm, eps_a=1e-6, rope=rope)
+        norm_gemv.norm_linear_gemv(norm_mode, weight, row, norm, 1e-6, d=row, norm_a=norm, eps_a=1e-6, swiglu=True)
 
 
 # ------------------------------------------------------------------------------ specialisations
