@@ -245,6 +245,10 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     cands.append(("no table prefetch", {"prefetch": False}))
     if group > 1:  # GQA's default is the reduce kernel: the other way round
         cands.append(("fused merge", {"fuse_reduce": True}))
+        # one stage: a third of the shared memory, so all programs of a 2-split grid fit in one wave
+        cands.append(("stages=1", {"stages": 1}))
+        cands.append((f"stages=1, splits={auto * 2}", {"stages": 1, "splits": auto * 2}))
+        cands.append(("stages=1, block_n=128", {"stages": 1, "block_n": 128}))
     else:
         cands.append(("split reduce kernel", {"fuse_reduce": False}))
     cands.append(("metadata after the PDL wait", {"early_reads": False}))

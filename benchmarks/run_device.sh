@@ -192,4 +192,10 @@ if [[ $what == pending27 ]]; then
   run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile \
     --out "$OUT/ouro_profile.md"
 fi
+if [[ $what == pending28 ]]; then
+  # session 12: fresh causal prefill through TMA descriptors on the step's contiguous q/k/v (issue 3 probe);
+  # GQA decode with one stage (issue 3: Nanbeige batch 32 at 1k)
+  run timeout 240 python3 benchmarks/fresh_prefill_probe.py --out "$OUT/fresh_prefill_probe.md"
+  run timeout 240 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige --out "$OUT/attention_sweep.md"
+fi
 exit 0
