@@ -365,7 +365,7 @@ def prefill_rows(device, dtype, shapes):
             row = [name, batch, ctx, f"{t_tri * 1e3:.0f}", f"{flops / (t_tri * 1e-3) / 1e12:.1f}"]
             t_op = bench(run_op, device)  # the op: KV write + the paged kernel
             err = max(err, (run_op().float() - ref.float()).abs().max().item())
-            row.append(f"{t_op * 1e3:.0f}")
+            row += [f"{t_op * 1e3:.0f}", f"{flops / (t_op * 1e-3) / 1e12:.1f}"]
             for backend in SDPA_BACKENDS:
                 try:
                     with sdpa_kernel(backend):
@@ -720,6 +720,7 @@ def main(argv=None) -> int:
                 "paged kernel us",
                 "paged kernel TFLOP/s",
                 "op us",
+                "op TFLOP/s",
                 "SDPA flash us",
                 "SDPA cuDNN us",
                 "SDPA us",
@@ -734,7 +735,8 @@ def main(argv=None) -> int:
         f"Total benchmark time {time.time() - start:.0f} s. SDPA reads K/V pre-gathered into contiguous tensors "
         "(gather not timed); triton reads the paged cache through shuffled block tables. Prefill 'paged "
         "kernel': the unified kernel over the whole causal context; 'op': rlt::attention_triton's call (KV "
-        "write + the paged kernel); 'SDPA flash' / 'SDPA cuDNN': SDPA held to that backend.",
+        "write + attention: the TMA prefill kernel where the GPU has TMA, else the paged kernel); 'SDPA flash' "
+        "/ 'SDPA cuDNN': SDPA held to that backend.",
         "",
     ]
     text = "\n".join(report)

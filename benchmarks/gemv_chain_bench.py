@@ -31,7 +31,6 @@ import triton.language as tl
 
 from rlt_compile.kernels import gemv as gemv_mod
 from rlt_compile.kernels import rmsnorm as rmsnorm_mod
-from rlt_compile.kernels.norm_gemv import norm_linear_gemv
 from rlt_compile.kernels.rmsnorm import add_rmsnorm2_triton
 from rlt_compile.kernels.triton_attention import (
     _interpret,
@@ -111,12 +110,7 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             gu = linear(o, p["gu"])
             h = linear(gu[:, : p["down"].shape[1]], p["down"])
             continue
-        fold = variant.get("norm_fold")
-        if fold is not None:  # each add_rmsnorm2 inside the GEMV after it (kernels/norm_gemv.py)
-            qkv, residual = norm_linear_gemv(
-                "add_rmsnorm2", p["qkv"], residual, p["n1"], 1e-6, h, p["n2"], 1e-6, config=fold
-            )
-        elif variant.get("no_norms"):  # what any norm fusion could win at most
+        if variant.get("no_norms"):  # what any norm fusion could win at most
             qkv = linear(h, p["qkv"])
         else:
             residual, n = add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
@@ -125,12 +119,6 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
         o = linear(a.reshape(1, heads * dim), p["o"])
-        if fold is not None:
-            gu, residual = norm_linear_gemv(
-                "add_rmsnorm2", p["gu"], residual, p["n2"], 1e-6, o, p["n1"], 1e-6, swiglu=True, config=fold
-            )
-            h = linear(gu, p["down"])
-            continue
         if variant.get("no_norms"):
             h = linear(gemv_mod.linear_gemv(o, p["gu"], swiglu=True), p["down"])
             continue
@@ -146,8 +134,9 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
 def variant_candidates():
     """The default Triton chain, then one change each: the SwiGLU gate epilogue, the norms' warps,
     decode-attention tiles (the chain's default is the op's own choice), no norm kernels at all (a
-    bound, not a model), the norms accumulated inside the next GEMV (``norm_gemv``) per tile. (Session
-    11 also ran the norms in the next GEMV's prologue: slower, removed; docs/benchmarks.md.)"""
+    bound on what any norm fusion can win, not a model). (Sessions 11 and 12 also ran the norms
+    inside the next GEMV, in its prologue and accumulated in its loop: slower, removed;
+    docs/benchmarks.md.)"""
     yield "cublas", None
     yield "gemv default", {}
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
@@ -159,9 +148,6 @@ def variant_candidates():
             {"variant": {"swiglu": True, "attention": {"block_n": block_n}}},
         )
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
-    for block_n, block_k, warps in ((2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (4, 512, 4)):
-        fold = {"block_n": block_n, "block_k": block_k, "warps": warps}
-        yield f"norm fold n{block_n} k{block_k} w{warps}", {"variant": {"swiglu": True, "norm_fold": fold}}
 
 
 def time_graph(fn, reps):

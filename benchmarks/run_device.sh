@@ -183,19 +183,19 @@ if [[ $what == pending26 ]]; then
   RLT_ATTENTION_CONFIG=fuse_reduce=1 run timeout 70 python3 -m rlt_compile.bench --model nanbeige4.2-3b \
     --eager-steps 0 --compiled-steps 0 --out "$OUT/nb_fused.md"
 fi
-if [[ $what == pending27 ]]; then
-  # session 12: the norms accumulated inside the next GEMV (kernels/norm_gemv.py) on the decode chain; where an
-  # Ouro token's time goes outside the layer chain (issue 4)
-  run timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_norm_gemv.py tests/test_gemv.py \
-    tests/test_fuse_rmsnorm.py tests/test_fuse_rope_gemv.py
-  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
-  run timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile \
-    --out "$OUT/ouro_profile.md"
-fi
+# pending27 (session 12: the norms accumulated inside the next GEMV, kernels/norm_gemv.py) needs commit f486b60:
+# it was removed as slower (docs/benchmarks.md, session 12).
 if [[ $what == pending28 ]]; then
   # session 12: fresh causal prefill through TMA descriptors on the step's contiguous q/k/v (issue 3 probe);
   # GQA decode with one stage (issue 3: Nanbeige batch 32 at 1k)
   run timeout 240 python3 benchmarks/fresh_prefill_probe.py --out "$OUT/fresh_prefill_probe.md"
   run timeout 240 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige --out "$OUT/attention_sweep.md"
+fi
+if [[ $what == pending29 ]]; then
+  # session 12: prefill attention with the step's own keys through TMA (kernels/prefill_tma.py, issue 3)
+  run timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_prefill_tma.py \
+    tests/test_triton_kernels.py tests/test_graphs_gpu.py tests/test_pdl.py
+  run timeout 200 python3 benchmarks/prefill_tma_bench.py --out "$OUT/prefill_tma.md"
+  run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 exit 0

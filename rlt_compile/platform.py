@@ -143,6 +143,12 @@ class Platform:
             return False
         return triton_supports_pdl()
 
+    @property
+    def supports_tma(self) -> bool:
+        """Tensor Memory Accelerator copies (Triton tensor descriptors): NVIDIA compute capability
+        >= 9.0 (Hopper). Never on ROCm or the CPU."""
+        return self.kind == "cuda" and self.capability is not None and self.capability[0] >= 9
+
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.device_type, index) if self.is_gpu else torch.device("cpu")
 

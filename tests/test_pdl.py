@@ -32,6 +32,7 @@ KERNELS = {
     "_kv_write_kernel",
     "_paged_attention_kernel",
     "_paged_attention_decode_kernel",
+    "_prefill_tma_kernel",
     "_split_reduce_kernel",
     "_fused_rmsnorm_kernel",
     "_gemv_kernel",

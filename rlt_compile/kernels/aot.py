@@ -178,11 +178,17 @@ def kernel_modules() -> list[str]:
     return sorted(n for n in names if n != __name__)
 
 
-def discover_kernels(modules: Iterable[str] | None = None) -> dict[str, Callable]:
-    """Every Triton kernel of the kernel modules: ``"module.function"`` -> the function (or JITFunction)."""
+def discover_kernels(modules: Iterable[str] | None = None, platform: Platform | None = None) -> dict[str, Callable]:
+    """Every Triton kernel of the kernel modules: ``"module.function"`` -> the function (or JITFunction).
+    With ``platform``, only the kernels built for it: a module whose ``REQUIRES`` names a
+    :class:`~rlt_compile.platform.Platform` capability (e.g. ``"supports_tma"``) the platform lacks is
+    skipped."""
     found: dict[str, Callable] = {}
     for module_name in kernel_modules() if modules is None else modules:
         module = importlib.import_module(module_name)
+        requires = getattr(module, "REQUIRES", None)
+        if platform is not None and requires is not None and not getattr(platform, requires):
+            continue
         for name, obj in vars(module).items():
             if _is_kernel(obj, module_name):
                 found[f"{module_name}.{name}"] = obj
@@ -295,10 +301,22 @@ def _run_launchers(workload: Workload, dtype: torch.dtype, mode: str, precision:
     triton_attention.paged_attention_triton(
         q, kv_cache, *metadata, precision=precision, split_k=split_k, config={"decode": False}
     )
+    if mode == "prefill" and prefill_tma_serves(w, dtype):
+        from rlt_compile.kernels import prefill_tma  # prefill-heavy batches on Hopper: own keys via TMA
+
+        prefill_tma.prefill_tma_attention(q, k, v, kv_cache, *metadata, precision=precision)
     if mode != "prefill":  # what rlt::attention_triton runs for all-decode batches: the decode kernel, KV write fused
         triton_attention.attention_forward(
             q, k, v, kv_cache, slot_mapping, *metadata, precision=precision, split_k=split_k
         )
+
+
+def prefill_tma_serves(workload: Workload, dtype: torch.dtype) -> bool:
+    """Whether ``attention_forward`` sends this workload's prefill to the TMA kernel on the current
+    (mocked) platform."""
+    from rlt_compile.kernels import prefill_tma
+
+    return prefill_tma.uses_prefill_tma(1024, 2, workload.head_dim, torch.device("cuda"), dtype)
 
 
 def capture_launches(
@@ -342,7 +360,7 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
     folded in; one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
-    gating kernels for more rows; the norm-folding GEMV (``norm_gemv``) with either epilogue. Prefill
+    gating kernels for more rows. Prefill
     linears run ``F.linear``."""
     if mode == "prefill":
         return
@@ -362,13 +380,6 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)
     gemv.rope_columns_triton(torch.empty(8, workload.hidden, dtype=dtype, device="meta"), rows)
-    from rlt_compile.kernels import norm_gemv  # the norm folded into the q/k/v and gate/up GEMVs
-
-    row = torch.empty(1, workload.hidden, dtype=dtype, device="meta")
-    norm = torch.empty(workload.hidden, dtype=dtype, device="meta")
-    for norm_mode in norm_gemv.NORM_MODES:
-        norm_gemv.norm_linear_gemv(norm_mode, weight, row, norm, 1e-6, d=row, norm_a=norm, eps_a=1e-6, rope=rope)
-        norm_gemv.norm_linear_gemv(norm_mode, weight, row, norm, 1e-6, d=row, norm_a=norm, eps_a=1e-6, swiglu=True)
 
 
 # ------------------------------------------------------------------------------ specialisations

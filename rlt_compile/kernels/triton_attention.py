@@ -941,6 +941,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
 CONFIG_KEYS = frozenset(
     {
         "decode",
+        "prefill_tma",
         "fuse_write",
         "splits",
         "block_n",
@@ -1072,7 +1073,8 @@ def attention_forward(
     is fused into the attention kernel (``config["fuse_write"]``; default: while the (sequence, KV
     head) programs fit in two waves): the program of (token, KV head, split 0) stores the new row, and
     every split reads this step's keys from ``k``/``v`` directly, so no program depends on another's
-    store. Otherwise ``kv_write_triton`` runs first. Measured on the H200 (docs/benchmarks.md, session
+    store. Otherwise ``kv_write_triton`` runs first, then prefill-heavy batches on Hopper take the
+    ``prefill_tma`` kernel (the step's own keys through TMA) and the rest the unified kernel. Measured on the H200 (docs/benchmarks.md, session
     7): the fused write wins at batch 1 (up to 1.17x at 8k context, within 5% either way at 128) and
     at Nanbeige batch 32 (1.07x at 128), but at batch 128 (GQA: 1024 programs) the separate write
     kernel is 1.07-1.18x faster."""
@@ -1084,6 +1086,12 @@ def attention_forward(
     )
     if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
         kv_write_triton(k, v, kv_cache, slot_mapping)
+        from rlt_compile.kernels import prefill_tma  # it imports this module's helpers
+
+        if prefill_tma.uses_prefill_tma(q.shape[0], seq_lens.shape[0], q.shape[2], q.device, kv_cache.dtype, config):
+            return prefill_tma.prefill_tma_attention(
+                q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, scale, precision, config
+            )
         return _attention(
             q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
         )

@@ -1,0 +1,277 @@
+"""Prefill attention that reads the step's own keys through TMA (NVIDIA Hopper and later).
+
+In a prefill or prefill-chunk row most keys a query attends to are the step's own rows, which lie
+contiguous in the ``k``/``v`` projections the op receives; only the cached prefix has to come from
+the paged cache. The unified kernel (``triton_attention``) gathers every key from the cache, which
+keeps it at about half of SDPA's speed on the H200 (docs/benchmarks.md). This kernel reads:
+
+* the cached prefix ``[0, ctx_len)`` from the paged cache with pointer gathers (as the unified
+  kernel does; no mask except on the last, partial tile),
+* the step's own rows through host-built TMA tensor descriptors over ``k``/``v`` ``[T, Hkv * D]``,
+  which Triton pipelines with asynchronous bulk copies: the rows below the query tile's diagonal
+  without a mask, the diagonal tiles with the causal mask.
+
+One program per (query tile of a sequence, query head); the causally heaviest tile of each
+sequence runs first. Programs map to sequences without host reads, like the unified kernel:
+sequence ``s`` owns the programs from ``query_start_loc[s] // BLOCK_M + s`` on, and the virtual
+sequence ``num_seqs`` covers the padding token rows past the last real one (written as zeros).
+The softmax is online, in fp32 and in the log2 domain.
+
+Served when ``uses_prefill_tma`` says so (a shape-only rule: NVIDIA with TMA, head dim a power of
+two, an average query length of at least ``MIN_AVERAGE_QUERY`` tokens); ``attention_forward`` then
+writes the step's K/V into the cache first and calls ``prefill_tma_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlt_compile import platform as _platform
+from rlt_compile.kernels.triton_attention import (
+    _LOG2E,
+    _interpret,
+    _interpreter_scope,
+    _kernel,
+    _pdl_launch_options,
+    _use_pdl,
+)
+
+__all__ = ["MIN_AVERAGE_QUERY", "prefill_tma_attention", "prefill_tma_config", "uses_prefill_tma"]
+
+REQUIRES = "supports_tma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
+
+# Batches whose queries average fewer tokens than this (decode-heavy mixed batches) stay on the
+# unified kernel, whose programs cover a whole GQA group per K/V tile.
+MIN_AVERAGE_QUERY = 32
+
+
+def _prefill_tma_kernel(
+    q_ptr,
+    k_desc,
+    v_desc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    scale_log2,
+    num_seqs,
+    num_tokens,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SEQ_P: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SEQ_P)
+    starts = tl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
+    seq = tl.sum((starts // BLOCK_M + offs_s <= pid).to(tl.int32), axis=0) - 1
+    is_real = seq < num_seqs
+    q_start = tl.load(query_start_ptr + seq)
+    q_end = tl.where(is_real, tl.load(query_start_ptr + tl.minimum(seq + 1, num_seqs)), num_tokens)
+    q_len = q_end - q_start
+    num_tiles = tl.cdiv(q_len, BLOCK_M)
+    tile = pid - (q_start // BLOCK_M + seq)
+    if tile >= num_tiles:
+        return
+    tile = num_tiles - 1 - tile  # the causally heaviest tile first: less tail imbalance
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    row_valid = offs_m < q_len
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    if not is_real:  # padding token rows: zeros
+        tl.store(o_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # cached positions before the sequence's first query
+    kv_head = head // GROUP
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_valid[:, None])
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: no NaN before the first key
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # The cached prefix, from the paged cache: every query sees all of it.
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_ch
+    for start in range(0, ctx_len, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < ctx_len
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, valid[None, :], PRECISION)
+
+    # The step's own rows through TMA: below the tile's diagonal unmasked, then the diagonal tiles.
+    col = kv_head * HEAD_DIM
+    for start in range(0, m0, BLOCK_N):
+        k = k_desc.load([q_start + start, col])
+        v = v_desc.load([q_start + start, col])
+        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, None, PRECISION)
+    for start in range(m0, tl.minimum(m0 + BLOCK_M, q_len), BLOCK_N):
+        k = k_desc.load([q_start + start, col])
+        v = v_desc.load([q_start + start, col])
+        causal = offs_m[:, None] >= (start + offs_n)[None, :]
+        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, causal, PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _key_tile(q, k, v, m_i, l_i, acc, scale_log2, keep, PRECISION: tl.constexpr):
+    """One key tile of the online softmax (``k``/``v`` ``[BLOCK_N, D]``; ``keep`` a mask broadcast
+    over the scores, or None); returns ``(m_i, l_i, acc)``."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if keep is not None:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dict:
+    """Tiles from dtypes only, then ``config`` (``block_m``, ``block_n``, ``warps``, ``stages``).
+    On the H200 (``benchmarks/fresh_prefill_probe.py``, session 12) 64 x 64 tiles with 4 warps and 3
+    stages were the fastest for three of four causal cases (Ouro 8 x 1k and 1 x 8k, Nanbeige 8 x 1k);
+    128 x 128 with 8 warps for Nanbeige 1 x 8k."""
+    if interpret:
+        cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 1}
+    elif dtype == torch.float32:  # only when forced (uses_prefill_tma): a small tile
+        cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
+    else:
+        cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
+    cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
+    if cfg["block_m"] % cfg["block_n"]:
+        raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
+    return cfg
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether ``t`` ``[T, Hkv, D]`` can back a TMA descriptor over ``[T, Hkv * D]`` as it is."""
+    item = t.element_size()
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * item) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def uses_prefill_tma(
+    num_tokens: int,
+    num_seqs: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: dict | None = None,
+) -> bool:
+    """Whether ``attention_forward`` sends a batch of this shape here (shapes only, no host reads):
+    ``config["prefill_tma"]`` when given (the interpreter runs it only then), else an NVIDIA GPU with
+    TMA (``Platform.supports_tma``), a 16-bit cache (fp32 dots in "ieee" precision spill this
+    kernel's tiles on sm_90), a power-of-two head dim of at least 16 and queries of
+    ``MIN_AVERAGE_QUERY`` tokens or more on average."""
+    if num_tokens == 0 or num_seqs == 0 or num_tokens == num_seqs:
+        return False
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    forced = (config or {}).get("prefill_tma")
+    if forced is not None:
+        return bool(forced)
+    if device.type != "cuda" or dtype == torch.float32 or not _platform.current_platform().supports_tma:
+        return False
+    return num_tokens >= MIN_AVERAGE_QUERY * num_seqs
+
+
+def prefill_tma_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    precision: str = "ieee",
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q [T, H, D]`` over each sequence's cached prefix (paged ``kv_cache``) and
+    its own rows ``k``/``v [T, Hkv, D]`` (the same rows the KV write stores); returns ``out [T, H, D]``.
+    CPU tensors run Triton's interpreter."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k/v must be [T, Hkv, D] = {(num_tokens, num_kv_heads, head_dim)}, got {tuple(k.shape)}")
+    num_seqs = seq_lens.shape[0]
+    interpret = _interpret(q)
+    cfg = prefill_tma_config(interpret, kv_cache.dtype, config or {})
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError(f"q and kv_cache need a unit stride over the head dim, got {q.stride()} / {kv_cache.stride()}")
+    k = k if _tma_ready(k) else k.contiguous()
+    v = v if _tma_ready(v) else v.contiguous()
+    width = num_kv_heads * head_dim
+    block = [cfg["block_n"], head_dim]
+    k_desc = TensorDescriptor(k, [num_tokens, width], [k.stride(0), 1], block)
+    v_desc = TensorDescriptor(v, [num_tokens, width], [v.stride(0), 1], block)
+    out = torch.empty_like(q)
+    if kv_cache.dtype != torch.float32:
+        precision = "ieee"
+    pdl = _use_pdl(q)
+    k_cache = kv_cache[0]
+    grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
+    with _interpreter_scope(interpret):
+        _kernel(_prefill_tma_kernel, interpret)[grid](
+            q,
+            k_desc,
+            v_desc,
+            k_cache,
+            kv_cache[1],
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            out,
+            float(scale) * _LOG2E,
+            num_seqs,
+            num_tokens,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_M=cfg["block_m"],
+            BLOCK_N=cfg["block_n"],
+            BLOCK_SIZE=block_size,
+            SEQ_P=triton.next_power_of_2(num_seqs + 1),
+            PRECISION=precision,
+            USE_PDL=pdl,
+            num_warps=cfg["warps"],
+            num_stages=cfg["stages"],
+            **_pdl_launch_options(pdl),
+        )
+    return out
