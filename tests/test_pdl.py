@@ -13,6 +13,7 @@ references, and a tiny compiled Ouro with CUDA graphs gives the same logits with
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import logging
@@ -24,7 +25,7 @@ import torch
 
 from rlt_compile import envs, platform
 from rlt_compile.compiler import PDL_PATCH, compile_model, inductor_patches
-from rlt_compile.kernels import aot, gemv, rmsnorm, triton_attention
+from rlt_compile.kernels import aot, gemv, prefill_tma, rmsnorm, triton_attention
 from rlt_compile.platform import Platform, pdl_enabled
 
 CUDA = torch.cuda.is_available()
@@ -284,12 +285,17 @@ def _launches(pdl: bool | None, workloads=aot.WORKLOADS[:1], dtypes=(torch.float
     h200 = Platform.mock("cuda")
     if pdl is None:
         return aot.capture_launches(h200, workloads, dtypes)
-    with (
-        mock.patch.object(triton_attention, "_use_pdl", lambda t: pdl),
-        mock.patch.object(rmsnorm, "_use_pdl", lambda t: pdl),
-        mock.patch.object(gemv, "_use_pdl", lambda t: pdl),
-    ):
+    with _forced_pdl(pdl):
         return aot.capture_launches(h200, workloads, dtypes)
+
+
+@contextlib.contextmanager
+def _forced_pdl(pdl: bool):
+    """Every launcher module's ``_use_pdl`` answering ``pdl``."""
+    with contextlib.ExitStack() as stack:
+        for module in (triton_attention, rmsnorm, gemv, prefill_tma):
+            stack.enter_context(mock.patch.object(module, "_use_pdl", lambda t: pdl))
+        yield
 
 
 def test_launchers_pass_use_pdl_and_launch_pdl_at_every_launch_site():
@@ -355,11 +361,7 @@ def test_sm90_ptx_waits_before_any_memory_access_or_branch():
         pytest.skip("this Triton has no PDL")
     h200 = Platform.mock("cuda")
     target = aot.gpu_target("cuda", "sm_90")
-    with (
-        mock.patch.object(triton_attention, "_use_pdl", lambda t: True),
-        mock.patch.object(rmsnorm, "_use_pdl", lambda t: True),
-        mock.patch.object(gemv, "_use_pdl", lambda t: True),
-    ):
+    with _forced_pdl(True):
         launches = aot.capture_launches(h200, aot.WORKLOADS[:1], (torch.float16,), ("prefill", "decode-split"))
     specs: dict[str, aot.Specialisation] = {}
     for launch in launches:
