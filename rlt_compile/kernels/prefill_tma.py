@@ -19,7 +19,11 @@ The softmax is online, in fp32 and in the log2 domain.
 
 Served when ``uses_prefill_tma`` says so (a shape-only rule: NVIDIA with TMA, head dim a power of
 two, an average query length of at least ``MIN_AVERAGE_QUERY`` tokens); ``attention_forward`` then
-writes the step's K/V into the cache first and calls ``prefill_tma_attention``.
+writes the step's K/V into the cache first and calls ``prefill_tma_attention``. Measured on the H200
+(docs/benchmarks.md, session 12; the op's whole call, KV write included): 1.47-1.52x the unified
+kernel on fresh prompts (Ouro and Nanbeige, 8 x 1k and 1 x 8k), 0.90-1.13x on 512-token chunks after a
+2k cached prefix; on a decode-heavy mix GQA loses (0.44x: each query head re-reads the context), which
+``MIN_AVERAGE_QUERY`` keeps on the unified kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rlt_compile.kernels.triton_attention import (
     _interpreter_scope,
     _kernel,
     _pdl_launch_options,
+    _program_sequence,
     _use_pdl,
 )
 
@@ -82,15 +87,8 @@ def _prefill_tma_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SEQ_P)
-    starts = tl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
-    seq = tl.sum((starts // BLOCK_M + offs_s <= pid).to(tl.int32), axis=0) - 1
-    is_real = seq < num_seqs
-    q_start = tl.load(query_start_ptr + seq)
-    q_end = tl.where(is_real, tl.load(query_start_ptr + tl.minimum(seq + 1, num_seqs)), num_tokens)
-    q_len = q_end - q_start
+    seq, is_real, q_start, q_len, tile = _program_sequence(pid, query_start_ptr, num_seqs, num_tokens, BLOCK_M, SEQ_P)
     num_tiles = tl.cdiv(q_len, BLOCK_M)
-    tile = pid - (q_start // BLOCK_M + seq)
     if tile >= num_tiles:
         return
     tile = num_tiles - 1 - tile  # the causally heaviest tile first: less tail imbalance

@@ -186,20 +186,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Which sequence owns this program: the last s with query_start_loc[s] // BLOCK_Q + s <= pid.
-    # s == num_seqs is the virtual "padding sequence" of the token rows past the last real one: it
-    # has no context, so its rows come out as zeros through the normal path.
-    offs_s = tl.arange(0, SEQ_P)
-    starts = tl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
-    first_tile = starts // BLOCK_Q + offs_s
-    seq = tl.sum((first_tile <= pid).to(tl.int32), axis=0) - 1
-    if seq < 0:
-        return
-    is_real = seq < num_seqs
-    q_start = tl.load(query_start_ptr + seq)
-    q_end = tl.where(is_real, tl.load(query_start_ptr + tl.minimum(seq + 1, num_seqs)), num_tokens)
-    q_len = q_end - q_start
-    tile = pid - (q_start // BLOCK_Q + seq)  # the program's query tile within the sequence
+    # The padding "sequence" (is_real False) has no context, so its rows come out as zeros through
+    # the normal path.
+    seq, is_real, q_start, q_len, tile = _program_sequence(pid, query_start_ptr, num_seqs, num_tokens, BLOCK_Q, SEQ_P)
     num_q_tiles = tl.cdiv(q_len, BLOCK_Q)
     if tile >= num_q_tiles:
         return
@@ -297,6 +286,22 @@ def _paged_attention_kernel(
         tl.store(p_ptrs + offs_d[None, :], out, mask=store_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + split64 * stride_ls + token * stride_lt + head, lse, mask=row_valid)
+
+
+@triton.jit
+def _program_sequence(pid, query_start_ptr, num_seqs, num_tokens, BLOCK_Q: tl.constexpr, SEQ_P: tl.constexpr):
+    """Which sequence owns program ``pid`` of a grid of query tiles of ``BLOCK_Q`` tokens: the last
+    ``s`` with ``query_start_loc[s] // BLOCK_Q + s <= pid`` (a strictly increasing sequence, so no
+    host reads). ``s == num_seqs`` is the virtual sequence of the padding token rows past the last
+    real one. Returns ``(seq, is_real, q_start, q_len, tile)``: ``tile`` is the program's query tile
+    within the sequence (``>= cdiv(q_len, BLOCK_Q)``: nothing to do)."""
+    offs_s = tl.arange(0, SEQ_P)
+    starts = tl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
+    seq = tl.sum((starts // BLOCK_Q + offs_s <= pid).to(tl.int32), axis=0) - 1  # >= 0: starts[0] is 0
+    is_real = seq < num_seqs
+    q_start = tl.load(query_start_ptr + seq)
+    q_end = tl.where(is_real, tl.load(query_start_ptr + tl.minimum(seq + 1, num_seqs)), num_tokens)
+    return seq, is_real, q_start, q_end - q_start, pid - (q_start // BLOCK_Q + seq)
 
 
 @triton.jit
