@@ -89,7 +89,19 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_n, mask_n, in_rope = _output_columns(pid, N, rope_lo, rope_hi, swiglu_half, BLOCK_N, ROPE_HALF, SWIGLU)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWIGLU:  # outputs j of the program from gate row j and up row swiglu_half + j, interleaved
+        offs_out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_n = offs_out + (tl.arange(0, BLOCK_N) % 2) * swiglu_half
+    if ROPE_HALF > 0:  # columns in [rope_lo, rope_hi): each program takes whole (d, d + half) pairs
+        in_rope = (pid * BLOCK_N >= rope_lo) & (pid * BLOCK_N < rope_hi)
+        pair = (pid * BLOCK_N - rope_lo + tl.arange(0, BLOCK_N)) // 2
+        rope_cols = rope_lo + (pair // ROPE_HALF) * (2 * ROPE_HALF) + pair % ROPE_HALF
+        rope_cols += (tl.arange(0, BLOCK_N) % 2) * ROPE_HALF
+        offs_n = tl.where(in_rope, rope_cols, offs_n)
+    mask_n = offs_n < N
+    if SWIGLU:
+        mask_n = offs_out < swiglu_half
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
@@ -116,62 +128,18 @@ def _gemv_kernel(
         x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
         acc += _tile_product(x, w, USE_DOT)
     if BLOCK_M == 1:
-        _store_row(acc, y_ptr, pid, offs_n, mask_n, in_rope, cos_ptr, sin_ptr, swiglu_half, BLOCK_N, ROPE_HALF, SWIGLU)
+        out = acc.to(y_ptr.dtype.element_ty)
+        if ROPE_HALF > 0:
+            out = tl.where(in_rope, _rotate_pairs(out, offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N), out)
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
+            offs_y = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + offs_y, _silu_gate(gate, up), mask=offs_y < swiglu_half)
+        else:
+            tl.store(y_ptr + offs_n, out, mask=mask_n)
     else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _output_columns(
-    pid, N, rope_lo, rope_hi, swiglu_half, BLOCK_N: tl.constexpr, ROPE_HALF: tl.constexpr, SWIGLU: tl.constexpr
-):
-    """The weight rows (output columns) program ``pid`` computes at one row: ``BLOCK_N`` consecutive
-    ones; with ``SWIGLU`` gate row ``j`` and up row ``swiglu_half + j`` interleaved; inside the rotary
-    range ``[rope_lo, rope_hi)`` whole ``(d, d + half)`` pairs. Returns ``(offs_n, mask_n, in_rope)``."""
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rope = False
-    if SWIGLU:  # outputs j of the program from gate row j and up row swiglu_half + j, interleaved
-        offs_out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
-        offs_n = offs_out + (tl.arange(0, BLOCK_N) % 2) * swiglu_half
-    if ROPE_HALF > 0:  # columns in [rope_lo, rope_hi): each program takes whole (d, d + half) pairs
-        in_rope = (pid * BLOCK_N >= rope_lo) & (pid * BLOCK_N < rope_hi)
-        pair = (pid * BLOCK_N - rope_lo + tl.arange(0, BLOCK_N)) // 2
-        rope_cols = rope_lo + (pair // ROPE_HALF) * (2 * ROPE_HALF) + pair % ROPE_HALF
-        rope_cols += (tl.arange(0, BLOCK_N) % 2) * ROPE_HALF
-        offs_n = tl.where(in_rope, rope_cols, offs_n)
-    mask_n = offs_n < N
-    if SWIGLU:
-        mask_n = offs_out < swiglu_half
-    return offs_n, mask_n, in_rope
-
-
-@triton.jit
-def _store_row(
-    acc,
-    y_ptr,
-    pid,
-    offs_n,
-    mask_n,
-    in_rope,
-    cos_ptr,
-    sin_ptr,
-    swiglu_half,
-    BLOCK_N: tl.constexpr,
-    ROPE_HALF: tl.constexpr,
-    SWIGLU: tl.constexpr,
-):
-    """One row's fp32 outputs ``acc`` (columns ``offs_n`` from ``_output_columns``) rounded once to
-    ``y``'s dtype, rotated (rotary range) or gated (``SWIGLU``: ``silu(gate) * up`` per pair), stored."""
-    out = acc.to(y_ptr.dtype.element_ty)
-    if ROPE_HALF > 0:
-        out = tl.where(in_rope, _rotate_pairs(out, offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N), out)
-    if SWIGLU:
-        gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
-        offs_y = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + offs_y, _silu_gate(gate, up), mask=offs_y < swiglu_half)
-    else:
-        tl.store(y_ptr + offs_n, out, mask=mask_n)
 
 
 @triton.jit

@@ -101,30 +101,22 @@ def _fused_rmsnorm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     v = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
+    dtype = v.dtype
     if RESIDUAL == 1:
-        v = _add_rows(tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0), v)
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     if NORM_A:
-        v = _norm_row(v, w_a, n_cols, eps_a)
+        xf = v.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_a)
+        v = (w_a * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
     if RESIDUAL == 2:
-        v = _add_rows(tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0), v)
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     tl.store(h_ptr + row * stride_h + offs, v, mask=mask)
     if NORM_B:
-        tl.store(out_ptr + row * stride_o + offs, _norm_row(v, w_b, n_cols, eps_b), mask=mask)
-
-
-@triton.jit
-def _add_rows(r, v):
-    """``r + v`` as one add in their dtype (fp32 sum, one rounding)."""
-    return (r.to(tl.float32) + v.to(tl.float32)).to(v.dtype)
-
-
-@triton.jit
-def _norm_row(v, weight, n_cols, eps):
-    """``rmsnorm(v) * weight`` for a whole (masked, zero-padded) row ``v`` and the fp32 ``weight``,
-    rounded like eager: normalised in fp32, cast to ``v``'s dtype, times the weight in the dtype."""
-    xf = v.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    return (weight * (xf * rstd).to(v.dtype).to(tl.float32)).to(v.dtype)
+        xf = v.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_b)
+        tl.store(out_ptr + row * stride_o + offs, (w_b * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
