@@ -110,19 +110,13 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             gu = linear(o, p["gu"])
             h = linear(gu[:, : p["down"].shape[1]], p["down"])
             continue
-        if variant.get("no_norms"):  # what any norm fusion could win at most
-            qkv = linear(h, p["qkv"])
-        else:
-            residual, n = add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
-            qkv = linear(n, p["qkv"])
-        qkv = qkv.view(1, 3, heads, dim)
+        no_norms = variant.get("no_norms")  # what any norm fusion could win at most (wrong outputs)
+        residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
+        qkv = linear(n, p["qkv"]).view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
         o = linear(a.reshape(1, heads * dim), p["o"])
-        if variant.get("no_norms"):
-            h = linear(gemv_mod.linear_gemv(o, p["gu"], swiglu=True), p["down"])
-            continue
-        residual, n = add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
+        residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
             h = linear(gemv_mod.linear_gemv(n, p["gu"], swiglu=True), p["down"])
             continue

@@ -62,9 +62,8 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
 
     from rlt_compile.kernels.triton_attention import attention_forward
 
-    heads, kv_heads, dim = dims
     device = inputs[0].device
-    scale = dim**-0.5
+    scale = dims[2] ** -0.5
 
     def op(config):
         return attention_forward(*inputs, scale, config=config)

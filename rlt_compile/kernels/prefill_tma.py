@@ -6,7 +6,7 @@ the paged cache. The unified kernel (``triton_attention``) gathers every key fro
 keeps it at about half of SDPA's speed on the H200 (docs/benchmarks.md). This kernel reads:
 
 * the cached prefix ``[0, ctx_len)`` from the paged cache with pointer gathers (as the unified
-  kernel does; no mask except on the last, partial tile),
+  kernel does; every prefix tile carries the bounds mask, which only cuts the last one),
 * the step's own rows through host-built TMA tensor descriptors over ``k``/``v`` ``[T, Hkv * D]``,
   which Triton pipelines with asynchronous bulk copies: the rows below the query tile's diagonal
   without a mask, the diagonal tiles with the causal mask.
@@ -154,9 +154,9 @@ def _key_tile(q, k, v, m_i, l_i, acc, scale_log2, keep, PRECISION: tl.constexpr)
 
 def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dict:
     """Tiles from dtypes only, then ``config`` (``block_m``, ``block_n``, ``warps``, ``stages``).
-    On the H200 (``benchmarks/fresh_prefill_probe.py``, session 12) 64 x 64 tiles with 4 warps and 3
-    stages were the fastest for three of four causal cases (Ouro 8 x 1k and 1 x 8k, Nanbeige 8 x 1k);
-    128 x 128 with 8 warps for Nanbeige 1 x 8k."""
+    On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
+    64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
+    (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
     if interpret:
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 1}
     elif dtype == torch.float32:  # only when forced (uses_prefill_tma): a small tile

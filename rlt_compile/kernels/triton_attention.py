@@ -1079,8 +1079,8 @@ def attention_forward(
     head) programs fit in two waves): the program of (token, KV head, split 0) stores the new row, and
     every split reads this step's keys from ``k``/``v`` directly, so no program depends on another's
     store. Otherwise ``kv_write_triton`` runs first, then prefill-heavy batches on Hopper take the
-    ``prefill_tma`` kernel (the step's own keys through TMA) and the rest the unified kernel. Measured on the H200 (docs/benchmarks.md, session
-    7): the fused write wins at batch 1 (up to 1.17x at 8k context, within 5% either way at 128) and
+    ``prefill_tma`` kernel (the step's own keys through TMA) and the rest the unified kernel.
+    Measured on the H200 (docs/benchmarks.md, session 7): the fused write wins at batch 1 (up to 1.17x at 8k context, within 5% either way at 128) and
     at Nanbeige batch 32 (1.07x at 128), but at batch 128 (GQA: 1024 programs) the separate write
     kernel is 1.07-1.18x faster."""
     config = _check_config(config)
