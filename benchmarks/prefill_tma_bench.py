@@ -1,5 +1,5 @@
 """Prefill attention through ``rlt::attention_triton``'s op path (KV write + attention): the TMA
-kernel (``kernels/prefill_tma.py``) per tile config, against the unified paged kernel (the op with
+kernel (``kernels/prefill_tma.py``) per tile config, with the KV write inside it or separate, against the unified paged kernel (the op with
 ``prefill_tma=0``) and SDPA on the same data.
 
 Cases: fresh causal prompts (8 x 1k, 1 x 8k; SDPA on pre-gathered K/V, ``is_causal``), chunks after a
@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
+# (block_m, block_n, warps, stages, KV write inside the kernel); the first is the default.
+TILES = [(64, 64, 4, 3, True), (64, 64, 4, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True)]
 
 
 def mixed_inputs(heads, kv_heads, dim, dtype, device, prompt, decodes, ctx):
@@ -75,9 +76,10 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
     rows = []
     t_unified = None if smoke else bench(lambda: op({"prefill_tma": False}), device)
     t_sdpa = None if smoke or dense is None else bench(lambda: sdpa(*dense, scale, True), device)
-    for block_m, block_n, warps, stages in tiles:
+    for block_m, block_n, warps, stages, fuse_write in tiles:
         cfg = {"prefill_tma": True, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages}
-        tile = f"m{block_m} n{block_n} w{warps} s{stages}"
+        cfg["fuse_write"] = fuse_write
+        tile = f"m{block_m} n{block_n} w{warps} s{stages}" + ("" if fuse_write else ", separate KV write")
         try:
             err = (op(cfg).float() - ref.float()).abs().max().item()
             t = None if smoke else bench(lambda cfg=cfg: op(cfg), device)
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, dtype = torch.device("cpu"), torch.float32
         models = {"MHA 4x16": (4, 4, 16), "GQA 6/2x16": (6, 2, 16)}
-        fresh, chunk, mix, tiles = [(2, 40)], (2, 70, 24), (30, 5, 50), [(32, 16, 4, 1)]
+        fresh, chunk, mix, tiles = [(2, 40)], (2, 70, 24), (30, 5, 50), [(32, 16, 4, 1, True), (32, 16, 4, 1, False)]
     else:
         from attention_bench import MODELS
 
@@ -124,12 +126,12 @@ def main(argv=None) -> int:
         batch, ctx, q_len = chunk
         inputs, _ = paged_inputs(*dims, dtype, device, batch, ctx, q_len)
         lines += run_case(
-            name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles[:1], args.smoke
+            name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles, args.smoke
         )
         prompt, decodes, ctx = mix
         inputs = mixed_inputs(*dims, dtype, device, prompt, decodes, ctx)
         label = f"{prompt}-token prompt + {decodes} decodes at {ctx}"
-        lines += run_case(name, dims, label, inputs, None, tiles[:1], args.smoke)
+        lines += run_case(name, dims, label, inputs, None, tiles[:2], args.smoke)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -331,7 +331,9 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
                 result.notes.append(f"{runner.fallbacks} graph fallbacks")
             if args.profile:
                 try:
-                    result.notes.append(profile_kernels(lambda: dec.decode(replay, token, 4, sync), 4))
+                    result.notes.append(
+                        profile_kernels(lambda: dec.decode(replay, token, 4, sync), 4, args.profile_top)
+                    )
                 except Exception as e:  # a profiler problem must not lose the timings
                     result.notes.append(f"profile failed: {type(e).__name__}: {e}")
     return result
@@ -352,8 +354,9 @@ KERNEL_CLASSES = (
 )
 
 
-def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
-    """GPU kernel time per token by class (attention / GEMM / Inductor-fused / other) over ``run()``."""
+def profile_kernels(run, tokens: int, path_top: int = 12, top_n: int = 16) -> str:
+    """GPU kernel time per token by class (attention / GEMM / Inductor-fused / other) over ``run()``,
+    the ``top_n`` kernels by time and the ``path_top`` largest shares of the critical path."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -375,7 +378,7 @@ def profile_kernels(run, tokens: int, top_n: int = 16) -> str:
         k = by_name.setdefault(evt.name[:60], [0.0, 0])
         k[0] += us
         k[1] += 1
-    critical = critical_path(events, tokens)
+    critical = critical_path(events, tokens, path_top)
     busy = sum(v[0] for v in totals.values()) / tokens / 1e3
     parts = ", ".join(
         f"{c} {v[0] / tokens / 1e3:.2f} ms ({v[1] // tokens} kernels)"
@@ -481,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", default=None, help="comma list of passes (default: compile_model's default)")
     parser.add_argument("--code-dir", default=None, help="write Inductor's generated code per unit here")
     parser.add_argument("--profile", action="store_true", help="add a per-token GPU kernel-time breakdown (graphs)")
+    parser.add_argument(
+        "--profile-top", type=int, default=12, help="--profile: how many critical-path shares to list (largest first)"
+    )
     parser.add_argument(
         "--inductor-config", default=None, help="Inductor config patches as JSON, e.g. '{\"freezing\": true}'"
     )

@@ -44,6 +44,12 @@ def test_prefill_tma_matches_reference(interpret, heads, query_lens, context_len
     check_attention(case, None, config=FORCE, fused=True)
 
 
+def test_prefill_tma_separate_write(interpret):
+    """``fuse_write=False``: the write kernel stores the rows first, the TMA kernel only reads them."""
+    case = make_case([29, 1, 12], [0, 21, 40], 6, 2, 16, 8, torch.float32, pad_tokens=3, seed=4)
+    check_attention(case, None, config={**FORCE, "fuse_write": False}, fused=True)
+
+
 def test_prefill_tma_tile_config_overrides(interpret):
     case = make_case([70, 3], [5, 40], 4, 2, 16, 16, torch.float32, seed=3)
     check_attention(case, None, config={**FORCE, "block_m": 16, "block_n": 16}, fused=True)

@@ -304,7 +304,7 @@ def _run_launchers(workload: Workload, dtype: torch.dtype, mode: str, precision:
     if mode == "prefill" and prefill_tma_serves(w, dtype):
         from rlt_compile.kernels import prefill_tma  # prefill-heavy batches on Hopper: own keys via TMA
 
-        prefill_tma.prefill_tma_attention(q, k, v, kv_cache, *metadata, precision=precision)
+        prefill_tma.prefill_tma_attention(q, k, v, kv_cache, *metadata, precision=precision, slot_mapping=slot_mapping)
     if mode != "prefill":  # what rlt::attention_triton runs for all-decode batches: the decode kernel, KV write fused
         triton_attention.attention_forward(
             q, k, v, kv_cache, slot_mapping, *metadata, precision=precision, split_k=split_k

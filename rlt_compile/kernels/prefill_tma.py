@@ -58,6 +58,7 @@ def _prefill_tma_kernel(
     v_desc,
     k_cache_ptr,
     v_cache_ptr,
+    slot_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -80,6 +81,7 @@ def _prefill_tma_kernel(
     BLOCK_SIZE: tl.constexpr,
     SEQ_P: tl.constexpr,
     PRECISION: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
@@ -133,6 +135,14 @@ def _prefill_tma_kernel(
         v = v_desc.load([q_start + start, col])
         causal = offs_m[:, None] >= (start + offs_n)[None, :]
         m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, causal, PRECISION)
+        if WRITE_KV:  # these are the tile's own rows: its group's first query head stores them
+            pos = start + offs_n
+            stored = tl.where(head % GROUP == 0, q_len, 0)  # rows this program stores
+            slot = tl.load(slot_ptr + q_start + pos, mask=pos < stored, other=-1).to(tl.int64)
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off
+            keep = (slot >= 0)[:, None]
+            tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(v_cache_ptr + dst[:, None] + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=keep)
     out = acc / l_i[:, None]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -211,10 +221,13 @@ def prefill_tma_attention(
     scale: float,
     precision: str = "ieee",
     config: dict | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over each sequence's cached prefix (paged ``kv_cache``) and
-    its own rows ``k``/``v [T, Hkv, D]`` (the same rows the KV write stores); returns ``out [T, H, D]``.
-    CPU tensors run Triton's interpreter."""
+    its own rows ``k``/``v [T, Hkv, D]``; returns ``out [T, H, D]``. With ``slot_mapping`` the kernel
+    also stores those rows in the cache (the KV write); without it they must be there already. The
+    prefix reads never touch the step's slots, so no program waits on another's store. CPU tensors
+    run Triton's interpreter."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_tokens, num_heads, head_dim = q.shape
@@ -245,6 +258,7 @@ def prefill_tma_attention(
             v_desc,
             k_cache,
             kv_cache[1],
+            slot_mapping if slot_mapping is not None else query_start_loc,  # unused without the write
             block_tables,
             seq_lens,
             query_start_loc,
@@ -267,6 +281,7 @@ def prefill_tma_attention(
             BLOCK_SIZE=block_size,
             SEQ_P=triton.next_power_of_2(num_seqs + 1),
             PRECISION=precision,
+            WRITE_KV=slot_mapping is not None,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],

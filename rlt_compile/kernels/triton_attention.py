@@ -1078,8 +1078,9 @@ def attention_forward(
     is fused into the attention kernel (``config["fuse_write"]``; default: while the (sequence, KV
     head) programs fit in two waves): the program of (token, KV head, split 0) stores the new row, and
     every split reads this step's keys from ``k``/``v`` directly, so no program depends on another's
-    store. Otherwise ``kv_write_triton`` runs first, then prefill-heavy batches on Hopper take the
-    ``prefill_tma`` kernel (the step's own keys through TMA) and the rest the unified kernel.
+    store. Prefill-heavy batches on Hopper take the ``prefill_tma`` kernel (the step's own keys
+    through TMA), which stores each query tile's own K/V rows as it reads them (``fuse_write=False``:
+    ``kv_write_triton`` first). The rest run ``kv_write_triton``, then the unified kernel.
     Measured on the H200 (docs/benchmarks.md, session 7): the fused write wins at batch 1 (up to 1.17x at 8k context, within 5% either way at 128) and
     at Nanbeige batch 32 (1.07x at 128), but at batch 128 (GQA: 1024 programs) the separate write
     kernel is 1.07-1.18x faster."""
@@ -1090,13 +1091,26 @@ def attention_forward(
         q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, sms
     )
     if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
-        kv_write_triton(k, v, kv_cache, slot_mapping)
         from rlt_compile.kernels import prefill_tma  # it imports this module's helpers
 
         if prefill_tma.uses_prefill_tma(q.shape[0], seq_lens.shape[0], q.shape[2], q.device, kv_cache.dtype, config):
+            fuse_tma_write = config.get("fuse_write", True)
+            if not fuse_tma_write:
+                kv_write_triton(k, v, kv_cache, slot_mapping)
             return prefill_tma.prefill_tma_attention(
-                q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, scale, precision, config
+                q,
+                k,
+                v,
+                kv_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                scale,
+                precision,
+                config,
+                slot_mapping=slot_mapping if fuse_tma_write else None,
             )
+        kv_write_triton(k, v, kv_cache, slot_mapping)
         return _attention(
             q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
         )
