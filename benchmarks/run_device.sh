@@ -203,7 +203,6 @@ if [[ $what == pending30 ]]; then
   run timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_prefill_tma.py \
     tests/test_triton_kernels.py tests/test_graphs_gpu.py tests/test_pdl.py tests/test_engine_gpu.py
   run timeout 200 python3 benchmarks/prefill_tma_bench.py --out "$OUT/prefill_tma.md"
-  run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
   python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile --profile-top 60 \
     --out "$OUT/ouro_profile.md" > "$OUT/ouro_profile.log" 2>&1; tail -5 "$OUT/ouro_profile.log"
 fi
