@@ -43,6 +43,8 @@ from rlt_compile.kernels.triton_attention import (
 
 
 def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL == 2:  # RLT_PDL_TRIGGER=early, like the library's kernels
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

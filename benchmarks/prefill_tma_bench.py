@@ -125,9 +125,7 @@ def main(argv=None) -> int:
             lines += run_case(name, dims, f"fresh {batch} x {ctx}", inputs, dense, tiles, args.smoke)
         batch, ctx, q_len = chunk
         inputs, _ = paged_inputs(*dims, dtype, device, batch, ctx, q_len)
-        lines += run_case(
-            name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles, args.smoke
-        )
+        lines += run_case(name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles, args.smoke)
         prompt, decodes, ctx = mix
         inputs = mixed_inputs(*dims, dtype, device, prompt, decodes, ctx)
         label = f"{prompt}-token prompt + {decodes} decodes at {ctx}"

@@ -206,4 +206,17 @@ if [[ $what == pending30 ]]; then
   python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile --profile-top 60 \
     --out "$OUT/ouro_profile.md" > "$OUT/ouro_profile.log" 2>&1; tail -5 "$OUT/ouro_profile.log"
 fi
+if [[ $what == pending31 ]]; then
+  # session 13: PDL kernels triggering their dependents before their own wait (RLT_PDL_TRIGGER=early, issue 4)
+  run timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_gemv.py \
+    tests/test_fuse_rope_gemv.py
+  run env RLT_PDL_TRIGGER=early timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_graphs_gpu.py \
+    tests/test_engine_gpu.py tests/test_gemv.py tests/test_triton_kernels.py tests/test_prefill_tma.py
+  for trig in wait early wait early; do
+    run env RLT_PDL_TRIGGER=$trig timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b \
+      --eager-steps 0 --compiled-steps 0 --out "$OUT/decode_$trig.md"
+  done
+  run env RLT_PDL_TRIGGER=early timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 \
+    --compiled-steps 0 --profile --out "$OUT/ouro_early_profile.md"
+fi
 exit 0

@@ -54,6 +54,7 @@ EARLY_READS = {
     },
 }
 PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]
+EARLY_TRIGGER = "if USE_PDL == 2:\n    tl.extra.cuda.gdc_launch_dependents()"
 
 
 @pytest.fixture(autouse=True)
@@ -255,7 +256,8 @@ def _function_ast(fn) -> ast.FunctionDef:
 
 
 def test_every_kernel_starts_with_the_pdl_prologue():
-    """``if USE_PDL: gdc_wait(); gdc_launch_dependents()`` before anything else (a docstring aside):
+    """``if USE_PDL == 2: gdc_launch_dependents()`` first (``RLT_PDL_TRIGGER=early``), then
+    ``if USE_PDL: gdc_wait(); gdc_launch_dependents()`` before anything else (a docstring aside):
     no load, store or early return may come first, except loads of inputs listed in ``EARLY_READS``
     (never written by a previous kernel). A kernel added without it fails here."""
     kernels = aot.discover_kernels()
@@ -267,6 +269,8 @@ def test_every_kernel_starts_with_the_pdl_prologue():
         body = _function_ast(fn).body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
+        assert ast.unparse(body[0]) == EARLY_TRIGGER, name
+        body = body[1:]
         short = name.rsplit(".", 1)[-1]
         at = next(i for i, s in enumerate(body) if isinstance(s, ast.If) and ast.unparse(s.test) == "USE_PDL")
         prologue = body[at]
@@ -290,7 +294,7 @@ def _launches(pdl: bool | None, workloads=aot.WORKLOADS[:1], dtypes=(torch.float
 
 
 @contextlib.contextmanager
-def _forced_pdl(pdl: bool):
+def _forced_pdl(pdl: int):
     """Every launcher module's ``_use_pdl`` answering ``pdl``."""
     with contextlib.ExitStack() as stack:
         for module in (triton_attention, rmsnorm, gemv, prefill_tma):
@@ -317,7 +321,7 @@ def test_meta_and_cpu_tensors_never_use_pdl(monkeypatch, triton_pdl):
     assert not triton_attention._use_pdl(torch.empty(1, device="meta"))
     assert not triton_attention._use_pdl(torch.empty(1))
     for launch in _launches(None):
-        assert launch.kwargs["USE_PDL"] is False and "launch_pdl" not in launch.kwargs, launch.kernel
+        assert launch.kwargs["USE_PDL"] == 0 and "launch_pdl" not in launch.kwargs, launch.kernel
 
 
 def test_use_pdl_follows_pdl_enabled_for_cuda_tensors(monkeypatch):
@@ -325,9 +329,14 @@ def test_use_pdl_follows_pdl_enabled_for_cuda_tensors(monkeypatch):
         is_cuda = True
 
     monkeypatch.setattr(platform, "pdl_enabled", lambda p=None: True)
-    assert triton_attention._use_pdl(FakeCuda())
+    assert triton_attention._use_pdl(FakeCuda()) == 1
+    monkeypatch.setenv("RLT_PDL_TRIGGER", "early")
+    assert triton_attention._use_pdl(FakeCuda()) == 2
+    monkeypatch.setenv("RLT_PDL_TRIGGER", "sometimes")
+    with pytest.raises(ValueError, match="RLT_PDL_TRIGGER"):
+        triton_attention._use_pdl(FakeCuda())
     monkeypatch.setattr(platform, "pdl_enabled", lambda p=None: False)
-    assert not triton_attention._use_pdl(FakeCuda())
+    assert triton_attention._use_pdl(FakeCuda()) == 0
 
 
 def _first(lines: list[str], pred) -> int:
@@ -353,15 +362,17 @@ def _compile_sm90(spec: aot.Specialisation):
         return triton.compile(source, target=aot.gpu_target("cuda", "sm_90"), options=dict(spec.options))
 
 
-def test_sm90_ptx_waits_before_any_memory_access_or_branch():
+@pytest.mark.parametrize("mode", [1, 2])
+def test_sm90_ptx_waits_before_any_memory_access_or_branch(mode):
     """Each kernel compiled for sm_90 with PDL on (ahead of time, on the CPU): ``launch_pdl`` in its
-    metadata, ``griddepcontrol.wait`` then ``launch_dependents`` before the first global load, store,
-    branch or return (stores only, for the ``EARLY_READS`` kernels); with PDL off no griddepcontrol at all."""
+    metadata, ``griddepcontrol.wait`` then ``launch_dependents`` (mode 2, the early trigger:
+    ``launch_dependents`` first) before the first global load, store, branch or return (stores only,
+    for the ``EARLY_READS`` kernels); with PDL off no griddepcontrol at all."""
     if not platform.triton_supports_pdl():
         pytest.skip("this Triton has no PDL")
     h200 = Platform.mock("cuda")
     target = aot.gpu_target("cuda", "sm_90")
-    with _forced_pdl(True):
+    with _forced_pdl(mode):
         launches = aot.capture_launches(h200, aot.WORKLOADS[:1], (torch.float16,), ("prefill", "decode-split"))
     specs: dict[str, aot.Specialisation] = {}
     for launch in launches:
@@ -380,7 +391,10 @@ def test_sm90_ptx_waits_before_any_memory_access_or_branch():
         if not early:
             ops += ("ld.global", "bra")
         access = next((i for i, s in enumerate(lines) if _mnemonic(s).startswith(ops)), len(lines))
-        assert wait < launch < access < len(lines), (name, lines[wait : access + 1])
+        if mode == 2:
+            assert launch < wait < access < len(lines), (name, lines[launch : access + 1])
+        else:
+            assert wait < launch < access < len(lines), (name, lines[wait : access + 1])
     off = next(s for s in specs.values() if s.kernel.endswith("_fused_rmsnorm_kernel"))
     names = list(off.signature)
     constexprs = {k: (False if names[k[0]] == "USE_PDL" else v) for k, v in off.constexprs.items()}
@@ -412,8 +426,9 @@ def _compiled_pdl_kernels(fn) -> list:
 @pytest.mark.gpu
 @gpu
 @needs_pdl
-def test_gpu_kernels_with_pdl_forced_on_in_a_cuda_graph(monkeypatch):
-    """RLT_PDL=1: norm -> decode attention (KV write fused) -> split reduce -> KV write -> unified
+@pytest.mark.parametrize("trigger", ["wait", "early"])
+def test_gpu_kernels_with_pdl_forced_on_in_a_cuda_graph(monkeypatch, trigger):
+    """RLT_PDL=1 (``RLT_PDL_TRIGGER`` both ways): norm -> decode attention (KV write fused) -> split reduce -> KV write -> unified
     attention -> split reduce -> norm, captured in one CUDA graph, each stage reading the previous
     one's output, replayed with new inputs and metadata: every stage matches its reference applied
     to the graph's own output of the stage before (a stage that read before its producer finished
@@ -422,6 +437,7 @@ def test_gpu_kernels_with_pdl_forced_on_in_a_cuda_graph(monkeypatch):
     from rlt_compile.kernels.reference import kv_write_reference, paged_attention_reference
 
     monkeypatch.setenv("RLT_PDL", "1")
+    monkeypatch.setenv("RLT_PDL_TRIGGER", trigger)
     dev, dt = "cuda", torch.bfloat16
     bs, heads, kv_heads, dim, block, max_blocks = 6, 16, 4, 128, 16, 32
     hidden, num_blocks, scale, eps = heads * dim, bs * max_blocks + 1, dim**-0.5, 1e-6
@@ -499,13 +515,14 @@ def test_gpu_kernels_with_pdl_forced_on_in_a_cuda_graph(monkeypatch):
         assert all("griddepcontrol.wait" in k.asm["ptx"] for k in built), fn.__name__
 
 
-def _compiled_ouro_run(tiny_dirs, monkeypatch, pdl: str):
+def _compiled_ouro_run(tiny_dirs, monkeypatch, pdl: str, trigger: str = "wait"):
     from test_graphs_gpu import BLOCK, decode_inputs, prompts_and_tables, run_prefill
 
     from rlt_compile import load_model
     from rlt_compile.graphs import CudaGraphRunner
 
     monkeypatch.setenv("RLT_PDL", pdl)
+    monkeypatch.setenv("RLT_PDL_TRIGGER", trigger)
     model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda", load_tokenizer=False)
     cm = compile_model(model, platform="cuda")
     assert cm.units["loop_step"].backend.inductor_config.get(PDL_PATCH, False) is (pdl == "1")
@@ -529,17 +546,19 @@ def _compiled_ouro_run(tiny_dirs, monkeypatch, pdl: str):
 @needs_pdl
 def test_gpu_compiled_graphs_same_output_with_pdl_on_and_off(tiny_dirs, monkeypatch):
     """A tiny Ouro compiled (Inductor + our kernels) with CUDA-graph decode: the same logits and greedy
-    tokens with RLT_PDL=1 (Inductor's triton.enable_pdl on, our kernels launched with PDL) and RLT_PDL=0."""
+    tokens with RLT_PDL=1 (Inductor's triton.enable_pdl on, our kernels launched with PDL; their
+    trigger after their wait and, ``RLT_PDL_TRIGGER=early``, first) and RLT_PDL=0."""
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         on, code_on = _compiled_ouro_run(tiny_dirs, monkeypatch, "1")
         assert _compiled_pdl_kernels(rmsnorm._fused_rmsnorm_kernel)  # our norm ran with PDL
         assert _compiled_pdl_kernels(triton_attention._paged_attention_decode_kernel)  # decode steps too
+        early, _ = _compiled_ouro_run(tiny_dirs, monkeypatch, "1", "early")
         off, code_off = _compiled_ouro_run(tiny_dirs, monkeypatch, "0")
     finally:
         torch.set_float32_matmul_precision(old)
     assert "gdc_wait" in code_on and "gdc_wait" not in code_off
-    for i, (a, b) in enumerate(zip(on, off)):
+    for i, (a, b) in enumerate(zip(on + early, off + off)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), i

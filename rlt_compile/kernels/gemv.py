@@ -88,6 +88,8 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if SWIGLU:  # outputs j of the program from gate row j and up row swiglu_half + j, interleaved
@@ -199,6 +201,8 @@ def _silu_gate(gate, up):
 def _silu_gate_kernel(y_ptr, out_ptr, stride_y, stride_out, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[r, j] = silu(y[r, j]) * y[r, half + j]`` (``_silu_gate``); grid: rows x column
     blocks. The SwiGLU op's path for more rows than the GEMV serves."""
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -226,6 +230,8 @@ def _rope_columns_kernel(
     """In place on ``y [rows, N]``: the rotate-half rotary of columns ``[lo, lo + 2 * n_pairs)``
     (heads of ``2 * HALF``), rounded like the GEMV's epilogue (``_rotate_pairs``). Grid: rows x
     pair blocks. The op's path for more rows than the GEMV serves."""
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

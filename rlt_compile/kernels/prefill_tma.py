@@ -84,6 +84,8 @@ def _prefill_tma_kernel(
     WRITE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -88,6 +88,8 @@ def _fused_rmsnorm_kernel(
 ):
     """Per row: ``v = y``; [RESIDUAL == 1: ``v = r + v``]; [NORM_A: ``v = norm_a(v)``];
     [RESIDUAL == 2: ``v = r + v``]; store ``v`` to ``h``; [NORM_B: store ``norm_b(v)`` to ``out``]."""
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     # The norm weights are parameters, never written by the previous kernel: read them before the

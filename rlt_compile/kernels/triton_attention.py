@@ -115,6 +115,8 @@ def _kv_write_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -179,6 +181,8 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -493,6 +497,8 @@ def _paged_attention_decode_kernel(
 ):
     # EARLY_READS: the metadata (sequence, context split, slot, the first tile's block-table entries)
     # is read before the PDL wait, while the previous kernel finishes: no kernel of a step writes it.
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -631,6 +637,8 @@ def _split_reduce_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -672,19 +680,22 @@ def _interpret(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def _use_pdl(t: torch.Tensor) -> bool:
-    """Whether a launch on ``t``'s device uses Programmatic Dependent Launch (``USE_PDL`` and
-    ``launch_pdl``): only for CUDA tensors (never the interpreter's CPU tensors or the ``meta``
-    tensors ``aot.py`` records launches with) and when ``platform.pdl_enabled()`` (``RLT_PDL``,
-    ``Platform.supports_pdl``; one environment read, the rest cached). No device query: it runs at
-    every launch, inside CUDA-graph capture too."""
-    return t.is_cuda and _platform.pdl_enabled()
+def _use_pdl(t: torch.Tensor) -> int:
+    """A launch's ``USE_PDL``: 0 without Programmatic Dependent Launch, 1 with it (the kernel lets
+    the next grid launch after its ``gdc_wait``), 2 with it and the trigger first
+    (``RLT_PDL_TRIGGER=early``). PDL only for CUDA tensors (never the interpreter's CPU tensors or the
+    ``meta`` tensors ``aot.py`` records launches with) and when ``platform.pdl_enabled()``
+    (``RLT_PDL``, ``Platform.supports_pdl``; environment reads, the rest cached). No device query: it
+    runs at every launch, inside CUDA-graph capture too."""
+    if not (t.is_cuda and _platform.pdl_enabled()):
+        return 0
+    return 2 if envs.rlt_pdl_trigger() == "early" else 1
 
 
-_PDL_OPTIONS: dict[bool, dict] = {True: {"launch_pdl": True}, False: {}}
+_PDL_OPTIONS: dict[int, dict] = {0: {}, 1: {"launch_pdl": True}, 2: {"launch_pdl": True}}
 
 
-def _pdl_launch_options(pdl: bool) -> dict:
+def _pdl_launch_options(pdl: int) -> dict:
     """The launch keyword of PDL: ``launch_pdl=True`` when on, nothing otherwise. Never
     ``launch_pdl=False``: Triton rejects launch keywords its backend does not know
     ("Keyword argument launch_pdl was specified but unrecognised"), and ROCm's ``HIPOptions`` (and
