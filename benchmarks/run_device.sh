@@ -219,4 +219,16 @@ if [[ $what == pending31 ]]; then
   run env RLT_PDL_TRIGGER=early timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 \
     --compiled-steps 0 --profile --out "$OUT/ouro_early_profile.md"
 fi
+if [[ $what == pending32 ]]; then
+  # session 13: with the early PDL trigger (now the default): GEMV tiles on the chain, attention splits, all models
+  run timeout 120 python3 benchmarks/gemv_chain_bench.py --grid 2:1024,2048:4:3 --reps 20 --out "$OUT/chain_grid.md"
+  run env RLT_PDL_TRIGGER=wait timeout 90 python3 benchmarks/gemv_chain_bench.py --grid 2:1024:4:3 --reps 20 \
+    --out "$OUT/chain_wait.md"
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/chain_shapes.md"
+  for cfg in splits=8 block_n=32 splits=2; do
+    run env RLT_ATTENTION_CONFIG=$cfg timeout 80 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 --out "$OUT/ouro_$cfg.md"
+  done
+  run timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
+fi
 exit 0

@@ -12,11 +12,12 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              launch overlaps the tail of the previous one. auto: on when
                              ``Platform.supports_pdl`` (CUDA, capability >= 9, a Triton with the GDC
                              intrinsics); 0: off; 1: on, but still only where supported (warns otherwise).
-    RLT_PDL_TRIGGER          wait | early (default wait). Where our PDL kernels let the next grid launch:
-                             ``wait``: after their own ``gdc_wait()``; ``early``: first thing, so the next
-                             kernel's programs can be resident (and read their weights) while this one
-                             still waits for its predecessor. Safe either way: a grid completes only
-                             after its own wait, so every wait still orders the chain.
+    RLT_PDL_TRIGGER          early | wait (default early). Where our PDL kernels let the next grid launch:
+                             ``early``: first thing, so the next kernel's programs can be resident (and
+                             read their weights) while this one still waits for its predecessor;
+                             ``wait``: after their own ``gdc_wait()``. Safe either way: a grid completes
+                             only after its own wait, so every wait still orders the chain. Early was
+                             1.03-1.04x end to end on the H200 (docs/benchmarks.md, session 13).
     RLT_COPY_STREAM          1 | 0 (default 1). Whether the engine's per-step H2D input copies run on a side
                              stream (``InputBuffers.copy_stream``; the compute stream waits on an event) or,
                              with 0, on the compute stream itself: the comparison the side stream is
@@ -46,7 +47,7 @@ import os
 ENV_VARS: dict[str, tuple[str, str]] = {
     "RLT_UVA": ("auto", "auto|0|1: use UVA for pinned host buffers (auto = probe)"),
     "RLT_PDL": ("auto", "auto|0|1: Programmatic Dependent Launch on sm_90+ (auto = where supported)"),
-    "RLT_PDL_TRIGGER": ("wait", "wait|early: PDL kernels let the next grid launch after their wait or first"),
+    "RLT_PDL_TRIGGER": ("early", "early|wait: PDL kernels let the next grid launch first or after their wait"),
     "RLT_COPY_STREAM": ("1", "1|0: H2D input copies on a side stream (0 = on the compute stream)"),
     "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
     "RLT_ATTENTION_CONFIG": ("", "key=int,...: default Triton attention launcher config (tuning)"),
@@ -92,8 +93,8 @@ def rlt_pdl() -> str:
 
 
 def rlt_pdl_trigger() -> str:
-    """``RLT_PDL_TRIGGER``: "wait" or "early"."""
-    return _choice("RLT_PDL_TRIGGER", ("wait", "early"))
+    """``RLT_PDL_TRIGGER``: "early" (default) or "wait"."""
+    return _choice("RLT_PDL_TRIGGER", ("early", "wait"))
 
 
 def rlt_copy_stream() -> bool:

@@ -329,9 +329,10 @@ def test_use_pdl_follows_pdl_enabled_for_cuda_tensors(monkeypatch):
         is_cuda = True
 
     monkeypatch.setattr(platform, "pdl_enabled", lambda p=None: True)
+    monkeypatch.delenv("RLT_PDL_TRIGGER", raising=False)
+    assert triton_attention._use_pdl(FakeCuda()) == 2  # the trigger first by default
+    monkeypatch.setenv("RLT_PDL_TRIGGER", "wait")
     assert triton_attention._use_pdl(FakeCuda()) == 1
-    monkeypatch.setenv("RLT_PDL_TRIGGER", "early")
-    assert triton_attention._use_pdl(FakeCuda()) == 2
     monkeypatch.setenv("RLT_PDL_TRIGGER", "sometimes")
     with pytest.raises(ValueError, match="RLT_PDL_TRIGGER"):
         triton_attention._use_pdl(FakeCuda())
@@ -515,7 +516,7 @@ def test_gpu_kernels_with_pdl_forced_on_in_a_cuda_graph(monkeypatch, trigger):
         assert all("griddepcontrol.wait" in k.asm["ptx"] for k in built), fn.__name__
 
 
-def _compiled_ouro_run(tiny_dirs, monkeypatch, pdl: str, trigger: str = "wait"):
+def _compiled_ouro_run(tiny_dirs, monkeypatch, pdl: str, trigger: str = "early"):
     from test_graphs_gpu import BLOCK, decode_inputs, prompts_and_tables, run_prefill
 
     from rlt_compile import load_model
@@ -547,18 +548,18 @@ def _compiled_ouro_run(tiny_dirs, monkeypatch, pdl: str, trigger: str = "wait"):
 def test_gpu_compiled_graphs_same_output_with_pdl_on_and_off(tiny_dirs, monkeypatch):
     """A tiny Ouro compiled (Inductor + our kernels) with CUDA-graph decode: the same logits and greedy
     tokens with RLT_PDL=1 (Inductor's triton.enable_pdl on, our kernels launched with PDL; their
-    trigger after their wait and, ``RLT_PDL_TRIGGER=early``, first) and RLT_PDL=0."""
+    trigger first and, ``RLT_PDL_TRIGGER=wait``, after their wait) and RLT_PDL=0."""
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         on, code_on = _compiled_ouro_run(tiny_dirs, monkeypatch, "1")
         assert _compiled_pdl_kernels(rmsnorm._fused_rmsnorm_kernel)  # our norm ran with PDL
         assert _compiled_pdl_kernels(triton_attention._paged_attention_decode_kernel)  # decode steps too
-        early, _ = _compiled_ouro_run(tiny_dirs, monkeypatch, "1", "early")
+        late, _ = _compiled_ouro_run(tiny_dirs, monkeypatch, "1", "wait")
         off, code_off = _compiled_ouro_run(tiny_dirs, monkeypatch, "0")
     finally:
         torch.set_float32_matmul_precision(old)
     assert "gdc_wait" in code_on and "gdc_wait" not in code_off
-    for i, (a, b) in enumerate(zip(on + early, off + off)):
+    for i, (a, b) in enumerate(zip(on + late, off + off)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), i

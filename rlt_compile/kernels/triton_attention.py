@@ -681,9 +681,9 @@ def _interpret(t: torch.Tensor) -> bool:
 
 
 def _use_pdl(t: torch.Tensor) -> int:
-    """A launch's ``USE_PDL``: 0 without Programmatic Dependent Launch, 1 with it (the kernel lets
-    the next grid launch after its ``gdc_wait``), 2 with it and the trigger first
-    (``RLT_PDL_TRIGGER=early``). PDL only for CUDA tensors (never the interpreter's CPU tensors or the
+    """A launch's ``USE_PDL``: 0 without Programmatic Dependent Launch, 2 with it and the trigger
+    first (``RLT_PDL_TRIGGER=early``, the default), 1 with it and the trigger after the kernel's
+    ``gdc_wait`` (``RLT_PDL_TRIGGER=wait``). PDL only for CUDA tensors (never the interpreter's CPU tensors or the
     ``meta`` tensors ``aot.py`` records launches with) and when ``platform.pdl_enabled()``
     (``RLT_PDL``, ``Platform.supports_pdl``; environment reads, the rest cached). No device query: it
     runs at every launch, inside CUDA-graph capture too."""
