@@ -231,4 +231,13 @@ if [[ $what == pending32 ]]; then
   done
   run timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
 fi
+if [[ $what == pending33 ]]; then
+  # session 13: 2048-long GEMV runs for weight rows of 4096+ (issue 4); the final tree's GPU tests and four models
+  run timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_pdl.py \
+    tests/test_fuse_rope_gemv.py tests/test_fuse_swiglu_gemv.py tests/test_graphs_gpu.py tests/test_compiler.py \
+    tests/test_async_engine.py tests/test_prefill_tma.py
+  run timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
+  python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile --out "$OUT/ouro_profile.md" \
+    > "$OUT/ouro_profile.log" 2>&1; tail -3 "$OUT/ouro_profile.log"
+fi
 exit 0

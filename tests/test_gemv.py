@@ -38,6 +38,16 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+def test_one_row_tiles_follow_the_weight_row_length():
+    """2-column programs; 1024-long runs of the weight row, 2048-long from rows of 4096 on."""
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    for k, block_k in [(2048, 1024), (3072, 1024), (4096, 2048), (5632, 2048), (100, 128)]:
+        cfg = gemv.gemv_config(1, 2048, k, bf16, cuda)
+        assert (cfg["block_n"], cfg["block_k"], cfg["dot"]) == (2, block_k, False), k
+    assert gemv.gemv_config(1, 2048, 5632, torch.float32, cuda)["block_k"] == 256
+    assert gemv.gemv_config(4, 2048, 5632, bf16, cuda)["dot"]
+
+
 def test_gemv_rows_without_the_dot_tile_are_refused(interpret):
     x, w = torch.randn(2, 32), torch.randn(8, 32)
     with pytest.raises(ValueError, match="2 rows need the tl.dot tile"):
@@ -194,7 +204,9 @@ def test_pass_leaves_graphs_alone_without_pdl_or_16bit(monkeypatch, platform, dt
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize(("n", "k"), [(6144, 2048), (2048, 5632), (11264, 2048), (49152, 2048), (1000, 300)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 2048), (2048, 5632), (11264, 2048), (49152, 2048), (3072, 6144), (1000, 300)]
+)
 def test_gemv_gpu_matches_f_linear(dtype, rows, n, k):
     gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
     x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=gen)

@@ -252,8 +252,9 @@ def _rope_columns_kernel(
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
     """Tiles from shapes only (CUDA-graph safe). One row: no ``tl.dot``, 2 output columns per program
-    and a 1024-long run of each weight row per load (the best of a sweep on the H200 decode chain,
-    docs/benchmarks.md). More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
+    and a 1024-long run of each weight row per load, 2048-long for rows of 4096 or more (the best of
+    sweeps on the H200 decode chain, docs/benchmarks.md: Ouro's down projection, 5632 long, 1.03x
+    with 2048 once the previous kernels trigger this one's launch first). More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
     ``block_n x block_k``."""
@@ -262,8 +263,10 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot}
     if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
-    else:
-        block_n, block_k = 2, (1024 if dtype != torch.float32 else 256)
+    elif dtype == torch.float32:
+        block_n, block_k = 2, 256
+    else:  # weight rows of 4096 or more: 2048-long runs, so twice the weights are read before the wait
+        block_n, block_k = 2, (2048 if k >= 4096 else 1024)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
 
