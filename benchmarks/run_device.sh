@@ -240,4 +240,24 @@ if [[ $what == pending33 ]]; then
   python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 --profile --out "$OUT/ouro_profile.md" \
     > "$OUT/ouro_profile.log" 2>&1; tail -3 "$OUT/ouro_profile.log"
 fi
+if [[ $what == pending34 ]]; then
+  # session 13: which weight rows take 2048-long GEMV runs (issue 4): k >= 4096 (A), 4096 <= k <= 8192 (B), never (C)
+  for rule in B C A; do
+    run timeout 150 python3 - "$rule" "$OUT" <<'PY'
+import sys
+from rlt_compile import bench
+from rlt_compile.kernels import gemv
+rule, out = sys.argv[1], sys.argv[2]
+plain = gemv.gemv_config
+def patched(m, n, k, dtype, device, silu_mul=False):
+    cfg = plain(m, n, k, dtype, device, silu_mul)
+    if cfg["block_k"] == 2048 and not cfg["dot"] and (rule == "C" or (rule == "B" and k > 8192)):
+        cfg["block_k"] = 1024
+    return cfg
+gemv.gemv_config = patched
+models = "nanbeige4.2-3b,huginn-0125" if rule != "A" else "nanbeige4.2-3b"
+bench.main(["--model", models, "--eager-steps", "0", "--compiled-steps", "0", "--out", f"{out}/rule_{rule}.md"])
+PY
+  done
+fi
 exit 0
