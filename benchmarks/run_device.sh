@@ -260,4 +260,10 @@ bench.main(["--model", models, "--eager-steps", "0", "--compiled-steps", "0", "-
 PY
   done
 fi
+if [[ $what == pending35 ]]; then
+  # session 13: 2048-long GEMV runs unless they split a one-wave grid (issue 4): GPU tests, four models
+  run timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_fuse_swiglu_gemv.py \
+    tests/test_fuse_rope_gemv.py tests/test_graphs_gpu.py
+  run timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
+fi
 exit 0

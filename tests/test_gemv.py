@@ -38,12 +38,24 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_tiles_follow_the_weight_row_length():
-    """2-column programs; 1024-long runs of the weight row, 2048-long from rows of 4096 on."""
+def test_one_row_tiles_follow_the_weight_row_length(monkeypatch):
+    """2-column programs; 1024-long runs of the weight row, 2048-long from rows of 4096 on unless
+    that splits a grid resident at once (16 programs per SM) into two waves (10 per SM)."""
+    monkeypatch.setattr(gemv, "_sm_count", lambda device: 132)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    for k, block_k in [(2048, 1024), (3072, 1024), (4096, 2048), (5632, 2048), (100, 128)]:
-        cfg = gemv.gemv_config(1, 2048, k, bf16, cuda)
-        assert (cfg["block_n"], cfg["block_k"], cfg["dot"]) == (2, block_k, False), k
+    cases = [
+        (2048, 2048, 1024),
+        (2048, 3072, 1024),
+        (2048, 4096, 2048),
+        (2048, 5632, 2048),  # Ouro's down: 1024 programs, one wave either way
+        (3072, 6144, 1024),  # Nanbeige's o: 1536 programs, one wave only with short runs
+        (3072, 10752, 1024),
+        (5280, 17920, 2048),  # Huginn's down: 2640 programs, more than one wave either way
+        (64, 100, 128),
+    ]
+    for n, k, block_k in cases:
+        cfg = gemv.gemv_config(1, n, k, bf16, cuda)
+        assert (cfg["block_n"], cfg["block_k"], cfg["dot"]) == (2, block_k, False), (n, k)
     assert gemv.gemv_config(1, 2048, 5632, torch.float32, cuda)["block_k"] == 256
     assert gemv.gemv_config(4, 2048, 5632, bf16, cuda)["dot"]
 

@@ -35,6 +35,7 @@ from rlt_compile.kernels.triton_attention import (
     _interpreter_scope,
     _kernel,
     _pdl_launch_options,
+    _sm_count,
     _use_pdl,
 )
 
@@ -252,9 +253,10 @@ def _rope_columns_kernel(
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, silu_mul: bool = False) -> dict:
     """Tiles from shapes only (CUDA-graph safe). One row: no ``tl.dot``, 2 output columns per program
-    and a 1024-long run of each weight row per load, 2048-long for rows of 4096 or more (the best of
-    sweeps on the H200 decode chain, docs/benchmarks.md: Ouro's down projection, 5632 long, 1.03x
-    with 2048 once the previous kernels trigger this one's launch first). More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
+    and a 1024-long run of each weight row per load, 2048-long for rows of 4096 or more unless that
+    splits a grid resident at once into two waves (``_long_runs_add_a_wave``). Measured on the H200
+    (docs/benchmarks.md, session 13, with the early PDL trigger): 2048-long runs gave Ouro 1.03x and
+    Huginn 1.05x end to end, and cost Nanbeige 0.95x, whose 1536-program o and down grids they split. More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
     ``block_n x block_k``."""
@@ -265,10 +267,24 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
     elif dtype == torch.float32:
         block_n, block_k = 2, 256
-    else:  # weight rows of 4096 or more: 2048-long runs, so twice the weights are read before the wait
-        block_n, block_k = 2, (2048 if k >= 4096 else 1024)
+    else:
+        block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
+
+
+# Resident one-row programs per SM on sm_90 (kernels/aot.py): 1024-long runs use ~31 registers, so the
+# 64-warp limit allows 16 programs of 4 warps; 2048-long runs use ~47, which allows 10.
+_PROGRAMS_PER_SM_SHORT, _PROGRAMS_PER_SM_LONG = 16, 10
+
+
+def _long_runs_add_a_wave(programs: int, device: torch.device) -> bool:
+    """Whether a grid of ``programs`` that is resident at once with 1024-long runs would need a
+    second wave with 2048-long ones. Long runs read twice the weights per program before its PDL
+    wait and keep more bytes in flight; they lost only where they split a single wave (Nanbeige's
+    o and down projections, 1536 programs: 0.95x; docs/benchmarks.md, session 13)."""
+    sms = _sm_count(device)
+    return _PROGRAMS_PER_SM_LONG * sms < programs <= _PROGRAMS_PER_SM_SHORT * sms
 
 
 @dataclass(frozen=True)
