@@ -19,11 +19,13 @@ The softmax is online, in fp32 and in the log2 domain.
 
 Served when ``uses_prefill_tma`` says so (a shape-only rule: NVIDIA with TMA, head dim a power of
 two, an average query length of at least ``MIN_AVERAGE_QUERY`` tokens); ``attention_forward`` then
-writes the step's K/V into the cache first and calls ``prefill_tma_attention``. Measured on the H200
-(docs/benchmarks.md, session 12; the op's whole call, KV write included): 1.47-1.52x the unified
-kernel on fresh prompts (Ouro and Nanbeige, 8 x 1k and 1 x 8k), 0.90-1.13x on 512-token chunks after a
-2k cached prefix; on a decode-heavy mix GQA loses (0.44x: each query head re-reads the context), which
-``MIN_AVERAGE_QUERY`` keeps on the unified kernel.
+calls ``prefill_tma_attention`` with the slot mapping, and the kernel is the KV write too: the first
+query head of each KV group stores its tile's own K/V rows as it reads them for the diagonal.
+Measured on the H200 (docs/benchmarks.md, sessions 12-13; the op's whole call, KV write included):
+1.41-1.72x the unified kernel on fresh prompts (Ouro and Nanbeige, 8 x 1k and 1 x 8k), 1.01-1.13x on
+512-token chunks after a 2k cached prefix; the fused write is 1.05-1.17x for Ouro (MHA, more K/V per
+token) and even for Nanbeige. On a decode-heavy mix GQA loses (0.44x: each query head re-reads the
+context), which ``MIN_AVERAGE_QUERY`` keeps on the unified kernel.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ The launchers themselves accept CPU tensors and then run Triton's interpreter (t
 only: bf16 is not exact there).
 
 PDL: on CUDA tensors with ``platform.pdl_enabled()`` the kernel is launched with ``launch_pdl`` and
-calls ``gdc_wait()`` + ``gdc_launch_dependents()`` before it reads the activations, like the
+calls ``gdc_launch_dependents()`` + ``gdc_wait()`` before it reads the activations, like the
 attention kernels (``triton_attention``'s module docstring); the norm weights (parameters, which no
 kernel of a step writes) are read before the wait, as the decode GEMV reads its weights.
 """

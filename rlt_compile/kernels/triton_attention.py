@@ -33,17 +33,20 @@ Four kernels serve the varlen batch layout of ``metadata.py``:
   The counters are one zeroed buffer per device that every launch leaves at zero.
 
 PDL (Programmatic Dependent Launch, NVIDIA sm_90+, ``platform.pdl_enabled()`` / ``RLT_PDL``): on
-CUDA tensors every kernel is launched with ``launch_pdl=True`` and ``USE_PDL=True``, and its very
-first statements are ``gdc_wait()`` (block until the previous grid in the stream has completed and
-its writes are visible) then ``gdc_launch_dependents()`` (let the next grid launch). The wait comes
-before every load, store and early return: a program that exits without waiting would count as
+CUDA tensors every kernel is launched with ``launch_pdl=True`` and ``USE_PDL`` 2 (1 with
+``RLT_PDL_TRIGGER=wait``). Its first statement then is ``gdc_launch_dependents()`` (let the next
+grid launch; with ``USE_PDL=1`` it comes right after the wait), then ``gdc_wait()`` (block until the
+previous grid in the stream has completed and its writes are visible). Triggering first is safe: a
+grid completes only after all its programs passed their own wait, so the next kernel's wait still
+orders it after every earlier kernel; it lets the next kernel's programs be resident and read their
+weights while this one waits. The wait comes before every load, store and early return: a program that exits without waiting would count as
 done, so the grid could complete before its predecessor and the next kernel (which only waits for
 this one) could read stale data. One exception: with the KV write fused, the decode kernel reads
 its metadata (query starts, sequence lengths, slot, the first tile's block-table entries) before
 the wait (config ``early_reads``, default on), since no kernel of a step writes it and those
 dependent loads then overlap the previous kernel's tail; it still stores and returns only after
 the wait.
-``USE_PDL=False`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
+``USE_PDL=0`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
 
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
 launchers can run inside CUDA/HIP graph capture. Head dims that are not a power of two (Huginn
