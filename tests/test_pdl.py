@@ -40,9 +40,10 @@ KERNELS = {
     "_rope_columns_kernel",
     "_silu_gate_kernel",
 }
-# Kernels allowed to read some inputs before the prologue: inputs the previous kernel never writes
+# Kernels allowed to read some inputs before the prologue: inputs no kernel of the step's chain writes
 # (the decode GEMV's and the norms' weights, the decode attention's metadata), so reading them early
-# overlaps the previous kernel's tail.
+# overlaps the previous kernel's tail. With the early trigger a kernel may launch several kernels
+# ahead, so these must be written before the chain starts (docs/compiler.md, PDL).
 EARLY_READS = {
     "_gemv_kernel": {"w_ptr"},
     "_fused_rmsnorm_kernel": {"wa_ptr", "wb_ptr"},

@@ -45,7 +45,10 @@ this one) could read stale data. One exception: with the KV write fused, the dec
 its metadata (query starts, sequence lengths, slot, the first tile's block-table entries) before
 the wait (config ``early_reads``, default on), since no kernel of a step writes it and those
 dependent loads then overlap the previous kernel's tail; it still stores and returns only after
-the wait.
+the wait. With the trigger first, a kernel can launch while several kernels before it still run:
+what it reads before its wait must be complete before the nearest earlier kernel that triggers
+after its wait (Inductor's kernels) or not at all (cuBLAS, copies, eager ops). The step's metadata
+is written by copies or eager ops before the compiled step, so that holds.
 ``USE_PDL=0`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
 
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
@@ -498,10 +501,10 @@ def _paged_attention_decode_kernel(
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # EARLY_READS: the metadata (sequence, context split, slot, the first tile's block-table entries)
-    # is read before the PDL wait, while the previous kernel finishes: no kernel of a step writes it.
     if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
         tl.extra.cuda.gdc_launch_dependents()
+    # EARLY_READS: the metadata (sequence, context split, slot, the first tile's block-table entries)
+    # is read before the PDL wait, while the previous kernel finishes: no kernel of a step writes it.
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
