@@ -255,8 +255,10 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     """Tiles from shapes only (CUDA-graph safe). One row: no ``tl.dot``, 2 output columns per program
     and a 1024-long run of each weight row per load, 2048-long for rows of 4096 or more unless that
     splits a grid resident at once into two waves (``_long_runs_add_a_wave``). Measured on the H200
-    (docs/benchmarks.md, session 13, with the early PDL trigger): 2048-long runs gave Ouro 1.03x and
-    Huginn 1.05x end to end, and cost Nanbeige 0.95x, whose 1536-program o and down grids they split. More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
+    (docs/benchmarks.md, session 13, with the early PDL trigger): Ouro's down projection 1.03x on the
+    decode chain (same run); end to end, Nanbeige 0.95x under plain 2048-long runs (same run), whose
+    1536-program o and down grids they split, and across calls Ouro and Huginn about 1.03x and 1.05x.
+    More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
     ``block_n x block_k``."""
