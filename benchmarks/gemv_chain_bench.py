@@ -116,11 +116,14 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
         residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
         qkv = linear(n, p["qkv"]).view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
+        if variant.get("no_attention"):  # what any attention change could win at most (wrong outputs)
+            a = q
+        else:
+            a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
         o = linear(a.reshape(1, heads * dim), p["o"])
         residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
-            h = linear(gemv_mod.linear_gemv(n, p["gu"], swiglu=True), p["down"])
+            h = linear(gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True), p["down"])
             continue
         gu = linear(n, p["gu"])
         h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
@@ -138,12 +141,31 @@ def variant_candidates():
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
     for warps in (1, 2, 4):
         yield f"swiglu epilogue, norm warps {warps}", {"variant": {"swiglu": True, "norm_warps": warps}}
-    for block_n in (16, 32, 128):
-        yield (
-            f"swiglu epilogue, attention block_n {block_n}",
-            {"variant": {"swiglu": True, "attention": {"block_n": block_n}}},
-        )
+    for attention in ATTENTION_VARIANTS:
+        name = " ".join(f"{key}={value}" for key, value in attention.items())
+        yield f"swiglu epilogue, attention {name}", {"variant": {"swiglu": True, "attention": attention}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
+    yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
+
+
+# Decode-attention launcher configs of ``--variants`` (the op's own choice at context 128 with a
+# 208-position table: 4 splits of 64-key tiles, no tl.dot, 4 warps, 2 stages, merged in the kernel).
+ATTENTION_VARIANTS = (
+    {"block_n": 32},
+    {"block_n": 128},
+    {"splits": 2},
+    {"splits": 8},
+    {"splits": 1},
+    {"splits": 1, "block_n": 256, "use_dot": True, "warps": 8},
+    {"splits": 1, "block_n": 256, "use_dot": True, "warps": 4},
+    {"splits": 2, "block_n": 128, "use_dot": True, "warps": 4},
+    {"use_dot": True},
+    {"warps": 8},
+    {"warps": 2},
+    {"stages": 1},
+    {"stages": 3},
+    {"prefetch": False},
+)
 
 
 def time_graph(fn, reps):
@@ -195,15 +217,22 @@ def candidates(smoke: bool, grid: str):
 
 
 def shape_candidates(hidden: int, inter: int):
-    """The default config, then tiles for the o GEMV ``[hidden, hidden]`` alone and for the down GEMV
-    ``[hidden, inter]`` alone (every other GEMV keeps the default)."""
+    """The default config, then tiles for one GEMV alone: o ``[hidden, hidden]``, down ``[hidden,
+    inter]``, q/k/v ``[3 hidden, hidden]`` or the gate/up GEMV with its SwiGLU epilogue (every other
+    GEMV keeps the default; the chain runs the SwiGLU epilogue, as the compiled model does)."""
     yield "cublas", None
-    yield "gemv default", {}
+    yield "gemv default", {"variant": {"swiglu": True}}
     tiles = ((2, 2048, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (1, 2048, 4, 3), (2, 1024, 4, 4), (2, 512, 4, 4))
-    for label, shape in (("o", (hidden, hidden)), ("down", (hidden, inter))):
+    for label, shape in (("o", (hidden, hidden)), ("down", (hidden, inter)), ("qkv", (3 * hidden, hidden))):
         for block_n, block_k, warps, stages in tiles:
             cfg = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
-            yield f"{label} n{block_n} k{block_k} w{warps} s{stages}", {"shapes": {shape: cfg}}
+            yield (
+                f"{label} n{block_n} k{block_k} w{warps} s{stages}",
+                {"shapes": {shape: cfg}, "variant": {"swiglu": True}},
+            )
+    for block_n, block_k, warps, stages in tiles:
+        cfg = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
+        yield f"gate/up n{block_n} k{block_k} w{warps} s{stages}", {"variant": {"swiglu": True, "gate_up": cfg}}
 
 
 def main(argv=None) -> int:

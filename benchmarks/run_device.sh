@@ -266,4 +266,11 @@ if [[ $what == pending35 ]]; then
     tests/test_fuse_rope_gemv.py tests/test_graphs_gpu.py
   run timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
 fi
+if [[ $what == pending36 ]]; then
+  # session 14: what the attention and the norms could win at most on the decode chain, attention
+  # launcher variants, one GEMV's tiles at a time (issue 4); MHA decode with the tl.dot tile (issue 3)
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_variants.md"
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/chain_shapes.md"
+  run timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --out "$OUT/attention_sweep.md"
+fi
 exit 0
