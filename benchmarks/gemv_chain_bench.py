@@ -151,20 +151,19 @@ def variant_candidates():
 # Decode-attention launcher configs of ``--variants`` (the op's own choice at context 128 with a
 # 208-position table: 4 splits of 64-key tiles, no tl.dot, 4 warps, 2 stages, merged in the kernel).
 ATTENTION_VARIANTS = (
-    {"block_n": 32},
-    {"block_n": 128},
-    {"splits": 2},
-    {"splits": 8},
-    {"splits": 1},
-    {"splits": 1, "block_n": 256, "use_dot": True, "warps": 8},
-    {"splits": 1, "block_n": 256, "use_dot": True, "warps": 4},
-    {"splits": 2, "block_n": 128, "use_dot": True, "warps": 4},
-    {"use_dot": True},
     {"warps": 8},
     {"warps": 2},
-    {"stages": 1},
-    {"stages": 3},
-    {"prefetch": False},
+    {"use_dot": True},
+    {"use_dot": True, "warps": 8},
+    {"l2_prefetch": True},
+    {"l2_prefetch": True, "warps": 8},
+    {"l2_prefetch": True, "use_dot": True},
+    {"l2_prefetch": True, "splits": 2},
+    {"l2_prefetch": True, "splits": 8},
+    {"warps": 8, "splits": 8},
+    {"warps": 8, "block_n": 32},
+    {"warps": 8, "block_n": 128},
+    {"splits": 8},
 )
 
 

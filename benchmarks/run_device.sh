@@ -273,4 +273,16 @@ if [[ $what == pending36 ]]; then
   run timeout 200 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/chain_shapes.md"
   run timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --out "$OUT/attention_sweep.md"
 fi
+if [[ $what == pending37 ]]; then
+  # session 14: the decode attention's first K/V tile prefetched into L2 before its PDL wait, with
+  # warps / tl.dot combinations, on the chain and end to end (issue 4)
+  run timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
+    -k "decode or pdl"
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,bound" \
+    --out "$OUT/chain_variants.md"
+  for cfg in "" warps=8 l2_prefetch=1 l2_prefetch=1,warps=8 ""; do
+    run env RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0
+  done
+fi
 exit 0

@@ -52,6 +52,8 @@ EARLY_READS = {
         "seq_lens_ptr",
         "block_tables_ptr",
         "slot_ptr",
+        "k_cache_ptr",  # only an L2 prefetch hint of cached rows (l2_prefetch), never a load
+        "v_cache_ptr",
     },
 }
 PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]

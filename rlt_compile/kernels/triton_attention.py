@@ -402,6 +402,21 @@ def _merge_group(
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """A hint, not a read: ``prefetch.global.L2`` of the lines at ``ptrs`` (where ``mask``), so a
+    program can pull its first K/V tile into L2 before its PDL wait without holding it in registers
+    (L2 is the GPU's point of coherence: nothing stale can come of it). NVIDIA only."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs.to(tl.int64), mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _decode_start(
     query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -498,6 +513,7 @@ def _paged_attention_decode_kernel(
     FUSE_REDUCE: tl.constexpr,
     EARLY_READS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    L2_LINES: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -518,6 +534,14 @@ def _paged_attention_decode_kernel(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
             BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
+        if L2_LINES > 0:  # the first cached tile's K/V rows into L2 (L2_LINES 128-byte lines per row)
+            pos0 = kv_lo + offs_n
+            row0 = block * stride_cb + (pos0 % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+            line = tl.arange(0, L2_LINES) * (BLOCK_D // L2_LINES)  # the first element of each line
+            lines = row0[:, None] + line[None, :] * stride_cd
+            lines_mask = (pos0 < cache_hi)[:, None] & (line[None, :] < head_dim)
+            _prefetch_l2(k_cache_ptr + lines, lines_mask)
+            _prefetch_l2(v_cache_ptr + lines, lines_mask)
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading its outputs
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -945,7 +969,14 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. Checked with ptxas -v
     (sm_90): no spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
-    cfg = {"use_dot": not mha, "waves": 2, "prefetch": True, "fuse_reduce": mha, "early_reads": True}
+    cfg = {
+        "use_dot": not mha,
+        "waves": 2,
+        "prefetch": True,
+        "fuse_reduce": mha,
+        "early_reads": True,
+        "l2_prefetch": False,
+    }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
     elif dtype == torch.float32:
@@ -975,6 +1006,7 @@ CONFIG_KEYS = frozenset(
         "prefetch",
         "fuse_reduce",
         "early_reads",
+        "l2_prefetch",
         "reduce_warps",
         "mask_split",
         "pad_group",
@@ -1247,6 +1279,11 @@ def _attention(
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=fuse and bool(cfg["early_reads"]),
                 PREFETCH=bool(cfg["prefetch"]),
+                L2_LINES=(
+                    triton.cdiv(block_d * kv_cache.element_size(), 128)
+                    if fuse and cfg["early_reads"] and cfg["l2_prefetch"] and not interpret
+                    else 0
+                ),
                 PRECISION=precision,
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
