@@ -152,18 +152,15 @@ def variant_candidates():
 # 208-position table: 4 splits of 64-key tiles, no tl.dot, 4 warps, 2 stages, merged in the kernel).
 ATTENTION_VARIANTS = (
     {"warps": 8},
-    {"warps": 2},
-    {"use_dot": True},
-    {"use_dot": True, "warps": 8},
-    {"l2_prefetch": True},
-    {"l2_prefetch": True, "warps": 8},
-    {"l2_prefetch": True, "use_dot": True},
-    {"l2_prefetch": True, "splits": 2},
-    {"l2_prefetch": True, "splits": 8},
-    {"warps": 8, "splits": 8},
-    {"warps": 8, "block_n": 32},
-    {"warps": 8, "block_n": 128},
-    {"splits": 8},
+    {"l2_prefetch": 1},
+    {"l2_prefetch": 1, "warps": 8},
+    {"l2_prefetch": 1, "use_dot": True},
+    {"l2_prefetch": 2, "splits": 2},
+    {"l2_prefetch": 2, "splits": 2, "warps": 8},
+    {"l2_prefetch": 4, "splits": 1},
+    {"l2_prefetch": 4, "splits": 1, "warps": 8},
+    {"l2_prefetch": 2, "splits": 1, "warps": 8, "block_n": 128},
+    {"l2_prefetch": 4, "splits": 1, "use_dot": True},
 )
 
 

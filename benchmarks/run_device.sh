@@ -285,4 +285,21 @@ if [[ $what == pending37 ]]; then
       --compiled-steps 0
   done
 fi
+if [[ $what == pending38 ]]; then
+  # session 14: the L2 prefetch of a split's whole range, fewer splits (issue 4); GPU parity first
+  run timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
+    -k "decode or pdl"
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "epilogue, attention,bound" \
+    --out "$OUT/chain_variants.md"
+  for cfg in "" l2_prefetch=1 splits=1,l2_prefetch=4,warps=8 splits=2,l2_prefetch=2 ""; do
+    echo "== RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+  for cfg in "" l2_prefetch=1 ""; do
+    echo "== Nanbeige RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model nanbeige4.2-3b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+fi
 exit 0

@@ -359,7 +359,7 @@ def test_decode_kernel_fp16(heads, split_k, fused):
         {"warps": 2, "stages": 2, "reduce_warps": 1, "splits": 2},
         {"prefetch": False, "splits": 2},
         {"early_reads": False},
-        {"l2_prefetch": True, "splits": 2},  # (a hint the interpreter skips: the same results)
+        {"l2_prefetch": 2, "splits": 2},  # (a hint the interpreter skips: the same results)
         {"fuse_write": False, "splits": 4},
         {"decode": False},  # decode shapes through the unified kernel
         {"decode": False, "block_m": 32, "block_n": 32, "splits": 2},
@@ -681,7 +681,8 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     group = heads[0] // heads[1]
     configs = [None, {"splits": 1}, {"splits": 8}, {"splits": 64, "block_n": 16}, {"use_dot": group == 1}]
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
-    configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": True}, {"l2_prefetch": True, "splits": 2}]
+    configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
+    configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     for config in configs:
         check_attention(case, None, tol=tol, config=config, fused=fused)

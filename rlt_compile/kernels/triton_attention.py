@@ -513,6 +513,7 @@ def _paged_attention_decode_kernel(
     FUSE_REDUCE: tl.constexpr,
     EARLY_READS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    L2_TILES: tl.constexpr,
     L2_LINES: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -534,14 +535,18 @@ def _paged_attention_decode_kernel(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
             BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
-        if L2_LINES > 0:  # the first cached tile's K/V rows into L2 (L2_LINES 128-byte lines per row)
-            pos0 = kv_lo + offs_n
-            row0 = block * stride_cb + (pos0 % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+        if L2_TILES > 0:  # the split's first L2_TILES cached tiles' K/V rows into L2, L2_LINES lines a row
             line = tl.arange(0, L2_LINES) * (BLOCK_D // L2_LINES)  # the first element of each line
-            lines = row0[:, None] + line[None, :] * stride_cd
-            lines_mask = (pos0 < cache_hi)[:, None] & (line[None, :] < head_dim)
-            _prefetch_l2(k_cache_ptr + lines, lines_mask)
-            _prefetch_l2(v_cache_ptr + lines, lines_mask)
+            for i in tl.static_range(L2_TILES):
+                pos_i = kv_lo + i * BLOCK_N + offs_n
+                block_i = block
+                if i > 0:
+                    block_i = tl.load(table + pos_i // BLOCK_SIZE, mask=pos_i < cache_hi, other=0).to(tl.int64)
+                rows = block_i * stride_cb + (pos_i % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
+                lines = rows[:, None] + line[None, :] * stride_cd
+                lines_mask = (pos_i < cache_hi)[:, None] & (line[None, :] < head_dim)
+                _prefetch_l2(k_cache_ptr + lines, lines_mask)
+                _prefetch_l2(v_cache_ptr + lines, lines_mask)
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading its outputs
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -975,7 +980,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
         "prefetch": True,
         "fuse_reduce": mha,
         "early_reads": True,
-        "l2_prefetch": False,
+        "l2_prefetch": 0,
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -1279,11 +1284,8 @@ def _attention(
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=fuse and bool(cfg["early_reads"]),
                 PREFETCH=bool(cfg["prefetch"]),
-                L2_LINES=(
-                    triton.cdiv(block_d * kv_cache.element_size(), 128)
-                    if fuse and cfg["early_reads"] and cfg["l2_prefetch"] and not interpret
-                    else 0
-                ),
+                L2_TILES=int(cfg["l2_prefetch"]) if fuse and cfg["early_reads"] and not interpret else 0,
+                L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
                 PRECISION=precision,
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
