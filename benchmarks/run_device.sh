@@ -289,7 +289,7 @@ if [[ $what == pending38 ]]; then
   # session 14: the L2 prefetch of a split's whole range, fewer splits (issue 4); GPU parity first
   run timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
     -k "decode or pdl"
-  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "epilogue, attention,bound" \
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,bound" \
     --out "$OUT/chain_variants.md"
   for cfg in "" l2_prefetch=1 splits=1,l2_prefetch=4,warps=8 splits=2,l2_prefetch=2 ""; do
     echo "== RLT_ATTENTION_CONFIG=$cfg"
