@@ -302,4 +302,11 @@ if [[ $what == pending38 ]]; then
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
 fi
+if [[ $what == pending39 ]]; then
+  # session 14: l2_prefetch=1 the default: GPU tests (logs in $OUT), then the four models (issue 4)
+  timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
+    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
+  tail -5 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
+fi
 exit 0

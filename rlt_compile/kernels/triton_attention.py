@@ -45,7 +45,8 @@ this one) could read stale data. One exception: with the KV write fused, the dec
 its metadata (query starts, sequence lengths, slot, the first tile's block-table entries) before
 the wait (config ``early_reads``, default on), since no kernel of a step writes it and those
 dependent loads then overlap the previous kernel's tail; it still stores and returns only after
-the wait. With the trigger first, a kernel can launch while several kernels before it still run:
+the wait. It also asks L2 to prefetch the first cached K/V tile then (config ``l2_prefetch``): a
+hint, not a load, so no ordering applies (L2 is the point of coherence). With the trigger first, a kernel can launch while several kernels before it still run:
 what it reads before its wait must be complete before the nearest earlier kernel that triggers
 after its wait (Inductor's kernels) or not at all (cuBLAS, copies, eager ops). The step's metadata
 is written by copies or eager ops before the compiled step, so that holds.
@@ -971,8 +972,12 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     group's heads at once, which on the H200 (Nanbeige, session 11) was 1.03-1.05x faster than the
     reduce kernel at 2-16 splits (batch 32 at 128 / 1k, batch 1 at 1k), the same at batch 128, but
     0.79x at batch 1 and 8k (64 splits: 31.8 vs 25.2 us), and no faster end to end (Nanbeige batch-1
-    decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. Checked with ptxas -v
-    (sm_90): no spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
+    decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. ``l2_prefetch``: how many
+    of a split's cached K/V tiles it pulls into L2 (a PTX prefetch hint, CUDA only) before its PDL
+    wait, while the q/k/v GEMV still runs; 1 tile made batch-1 decode 1.01x faster end to end on the
+    H200 (Ouro-1.4B 3.94 vs 3.98 ms/token in two calls, Nanbeige 3.900 vs 3.914-3.919; session 14),
+    more tiles with fewer splits were slower. Checked with ptxas -v (sm_90): no spills for head_dim
+    <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {
         "use_dot": not mha,
@@ -980,7 +985,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
         "prefetch": True,
         "fuse_reduce": mha,
         "early_reads": True,
-        "l2_prefetch": 0,
+        "l2_prefetch": 1,
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -1248,6 +1253,7 @@ def _attention(
         if decode:
             fuse = k is not None
             use_dot = bool(cfg["use_dot"])
+            l2_hint = not interpret and _platform.current_platform().kind == "cuda"  # a PTX prefetch
             _kernel(_paged_attention_decode_kernel, interpret)[(num_tokens, num_kv_heads, num_splits)](
                 q,
                 k if fuse else q,
@@ -1284,7 +1290,7 @@ def _attention(
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=fuse and bool(cfg["early_reads"]),
                 PREFETCH=bool(cfg["prefetch"]),
-                L2_TILES=int(cfg["l2_prefetch"]) if fuse and cfg["early_reads"] and not interpret else 0,
+                L2_TILES=int(cfg["l2_prefetch"]) if fuse and cfg["early_reads"] and l2_hint else 0,
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
                 PRECISION=precision,
                 USE_PDL=pdl,
