@@ -308,5 +308,6 @@ if [[ $what == pending39 ]]; then
     tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
   tail -5 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
+  run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 exit 0
