@@ -253,6 +253,7 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
         cands.append(("split reduce kernel", {"fuse_reduce": False}))
     cands.append(("metadata after the PDL wait", {"early_reads": False}))
     if group == 1:
+        cands.append(("multiply + sum (no tl.dot)", {"use_dot": False}))
         cands.append(("tl.dot 16-row tile", {"use_dot": True}))
         cands.append(("tl.dot 16-row tile, warps=8", {"use_dot": True, "warps": 8}))
         cands.append((f"tl.dot 16-row tile, splits={auto * 2}", {"use_dot": True, "splits": auto * 2}))

@@ -149,7 +149,8 @@ def variant_candidates():
 
 
 # Decode-attention launcher configs of ``--variants`` (the op's own choice at context 128 with a
-# 208-position table: 4 splits of 64-key tiles, no tl.dot, 4 warps, 2 stages, merged in the kernel).
+# 208-position table: 4 splits of 64-key tiles, the 16-row tl.dot tile, 4 warps, 2 stages, merged in
+# the kernel, the first tile prefetched into L2).
 ATTENTION_VARIANTS = (
     {"warps": 8},
     {"l2_prefetch": 1},

@@ -310,4 +310,11 @@ if [[ $what == pending39 ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending40 ]]; then
+  # session 14: 16-bit MHA decode takes the tl.dot tile where the context is split (issue 3/4)
+  timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_graphs_gpu.py \
+    -k "decode or graph" > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+fi
 exit 0

@@ -826,3 +826,23 @@ def test_large_mha_decode_batches_take_the_unified_kernel():
     assert uses_decode_kernel(128, 128, None, 6, 8, 132)  # GQA: always the decode kernel
     assert uses_decode_kernel(32, 32, {"decode": True}, 1, 16, 132)
     assert not uses_decode_kernel(33, 32, None, 6, 8, 132)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_mha_decode_takes_the_dot_tile_only_where_the_context_is_split(dtype):
+    """The launcher's choice for an H200 (launches recorded on meta tensors): 16-bit MHA decode uses
+    the 16-row ``tl.dot`` tile with split-K and the multiply + sum without; fp32 MHA never the tile,
+    GQA always (its group's heads are the tile's rows)."""
+    from rlt_compile.kernels import aot
+    from rlt_compile.platform import Platform
+
+    launches = aot.capture_launches(Platform.mock("cuda"), aot.WORKLOADS[:2], (dtype,), ("decode", "decode-split"))
+    seen = {}
+    for launch in launches:
+        if launch.kernel.endswith("_paged_attention_decode_kernel"):
+            kw = launch.kwargs
+            seen[(kw["GROUP"] > 1, kw["NUM_SPLITS"] > 1)] = kw["USE_DOT"]
+    assert set(seen) == {(False, False), (False, True), (True, False), (True, True)}
+    assert seen[(False, True)] is (dtype != torch.float32)
+    assert seen[(False, False)] is False
+    assert seen[(True, False)] is True and seen[(True, True)] is True

@@ -964,10 +964,10 @@ def choose_decode_splits(
 def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict) -> dict:
     """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
 
-    MHA (one query row per KV head) uses no ``tl.dot``: q.K is a broadcast multiply + sum over the
-    head dim, so no tile rows are padding (on the H200 the 16-row ``tl.dot`` tile was faster alone,
-    1.2x at batch 1 and 8k, but Ouro-1.4B's batch-1 decode slowed from 4.33 to 4.55 ms/token with
-    it). GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows).
+    MHA (one query row per KV head) in 16 bits takes a 16-row ``tl.dot`` tile (15 rows of padding)
+    where the context is split and otherwise a broadcast multiply + sum over the head dim
+    (``_mha_dot``; session 6 measured the tile slower end to end, before the early PDL trigger), in
+    fp32 always the multiply + sum. GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows).
     Split-K is merged in the kernel for MHA only (``fuse_reduce``). For GQA the last split merges the
     group's heads at once, which on the H200 (Nanbeige, session 11) was 1.03-1.05x faster than the
     reduce kernel at 2-16 splits (batch 32 at 128 / 1k, batch 1 at 1k), the same at batch 128, but
@@ -980,7 +980,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {
-        "use_dot": not mha,
+        "use_dot": None if mha and dtype != torch.float32 and not interpret else not mha,  # None: _mha_dot
         "waves": 2,
         "prefetch": True,
         "fuse_reduce": mha,
@@ -997,6 +997,14 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     if cfg["warps"] is None:
         cfg["warps"] = 8 if cfg["use_dot"] else 4
     return cfg
+
+
+def _mha_dot(num_splits: int) -> bool:
+    """16-bit MHA decode: the 16-row ``tl.dot`` tile where the context is split (small batches), the
+    multiply + sum otherwise. H200, session 14 (KV write + attention, us): batch 1 at 128 / 1k / 8k
+    10.6 / 14.0 / 32.8 with the tile against 11.9 / 15.0 / 39.6; batch 32 (no split) even, batch
+    128 at 8k 2048 against 2004; Ouro-1.4B batch-1 decode 3.928 against 3.936 ms/token."""
+    return num_splits > 1
 
 
 # Keys of the ``config`` override of the launchers (for tuning sweeps; every value is a shape-like
@@ -1252,7 +1260,7 @@ def _attention(
     with _interpreter_scope(interpret):
         if decode:
             fuse = k is not None
-            use_dot = bool(cfg["use_dot"])
+            use_dot = _mha_dot(num_splits) if cfg["use_dot"] is None else bool(cfg["use_dot"])
             l2_hint = not interpret and _platform.current_platform().kind == "cuda"  # a PTX prefetch
             _kernel(_paged_attention_decode_kernel, interpret)[(num_tokens, num_kv_heads, num_splits)](
                 q,
