@@ -46,8 +46,8 @@ its metadata (query starts, sequence lengths, slot, the first tile's block-table
 the wait (config ``early_reads``, default on), since no kernel of a step writes it and those
 dependent loads then overlap the previous kernel's tail; it still stores and returns only after
 the wait. It also asks L2 to prefetch the first cached K/V tile then (config ``l2_prefetch``): a
-hint, not a load, so no ordering applies (L2 is the point of coherence). With the trigger first, a kernel can launch while several kernels before it still run:
-what it reads before its wait must be complete before the nearest earlier kernel that triggers
+hint, not a load, so no ordering applies (L2 is the point of coherence). With the trigger first, a
+kernel can launch while several kernels before it still run: what it reads before its wait must be complete before the nearest earlier kernel that triggers
 after its wait (Inductor's kernels) or not at all (cuBLAS, copies, eager ops). The step's metadata
 is written by copies or eager ops before the compiled step, so that holds.
 ``USE_PDL=0`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
@@ -967,7 +967,8 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     MHA (one query row per KV head) in 16 bits takes a 16-row ``tl.dot`` tile (15 rows of padding)
     where the context is split and otherwise a broadcast multiply + sum over the head dim
     (``_mha_dot``; session 6 measured the tile slower end to end, before the early PDL trigger), in
-    fp32 always the multiply + sum. GQA puts the group's query heads in the rows of a ``tl.dot`` tile (at least 16 rows).
+    fp32 always the multiply + sum. GQA puts the group's query heads in the rows of a ``tl.dot``
+    tile (at least 16 rows).
     Split-K is merged in the kernel for MHA only (``fuse_reduce``). For GQA the last split merges the
     group's heads at once, which on the H200 (Nanbeige, session 11) was 1.03-1.05x faster than the
     reduce kernel at 2-16 splits (batch 32 at 128 / 1k, batch 1 at 1k), the same at batch 128, but
