@@ -47,9 +47,9 @@ the wait (config ``early_reads``, default on), since no kernel of a step writes 
 dependent loads then overlap the previous kernel's tail; it still stores and returns only after
 the wait. It also asks L2 to prefetch the first cached K/V tile then (config ``l2_prefetch``): a
 hint, not a load, so no ordering applies (L2 is the point of coherence). With the trigger first, a
-kernel can launch while several kernels before it still run: what it reads before its wait must be complete before the nearest earlier kernel that triggers
-after its wait (Inductor's kernels) or not at all (cuBLAS, copies, eager ops). The step's metadata
-is written by copies or eager ops before the compiled step, so that holds.
+kernel can launch while several kernels before it still run: what it reads before its wait must
+be complete before the nearest earlier kernel that triggers after its wait (Inductor's kernels) or
+not at all (cuBLAS, copies, eager ops). The step's metadata is written by copies or eager ops before the compiled step, so that holds.
 ``USE_PDL=0`` (CPU interpreter, ``meta`` tensors, ROCm, older GPUs) compiles the prologue away.
 
 Every grid size and tile choice depends on tensor shapes only (never on values), so the
