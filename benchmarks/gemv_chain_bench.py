@@ -220,16 +220,14 @@ def shape_candidates(hidden: int, inter: int):
     yield "cublas", None
     yield "gemv default", {"variant": {"swiglu": True}}
     tiles = ((2, 2048, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (1, 2048, 4, 3), (2, 1024, 4, 4), (2, 512, 4, 4))
+    configs = [
+        (f"n{n} k{k} w{w} s{st}", {"block_n": n, "block_k": k, "warps": w, "stages": st}) for n, k, w, st in tiles
+    ]
     for label, shape in (("o", (hidden, hidden)), ("down", (hidden, inter)), ("qkv", (3 * hidden, hidden))):
-        for block_n, block_k, warps, stages in tiles:
-            cfg = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
-            yield (
-                f"{label} n{block_n} k{block_k} w{warps} s{stages}",
-                {"shapes": {shape: cfg}, "variant": {"swiglu": True}},
-            )
-    for block_n, block_k, warps, stages in tiles:
-        cfg = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
-        yield f"gate/up n{block_n} k{block_k} w{warps} s{stages}", {"variant": {"swiglu": True, "gate_up": cfg}}
+        for name, cfg in configs:
+            yield f"{label} {name}", {"shapes": {shape: cfg}, "variant": {"swiglu": True}}
+    for name, cfg in configs:
+        yield f"gate/up {name}", {"variant": {"swiglu": True, "gate_up": cfg}}
 
 
 def main(argv=None) -> int:

@@ -1216,6 +1216,8 @@ def _attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_sms = _sm_count(q.device)
+    plat = _platform.current_platform()
+    nvidia = not interpret and plat.kind == "cuda"
     decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
 
     if decode:
@@ -1229,9 +1231,7 @@ def _attention(
             ),
         )
     else:
-        plat = _platform.current_platform()
         compact = not interpret and plat.compact_attention_tiles
-        nvidia = not interpret and plat.kind == "cuda"
         cfg = _tile_config(interpret, num_tokens == num_seqs, group, block_d, kv_cache.dtype, compact, config, nvidia)
         num_splits = _split_count(
             split_k,
@@ -1262,7 +1262,7 @@ def _attention(
         if decode:
             fuse = k is not None
             use_dot = _mha_dot(num_splits) if cfg["use_dot"] is None else bool(cfg["use_dot"])
-            l2_hint = not interpret and _platform.current_platform().kind == "cuda"  # a PTX prefetch
+            early = fuse and bool(cfg["early_reads"])
             _kernel(_paged_attention_decode_kernel, interpret)[(num_tokens, num_kv_heads, num_splits)](
                 q,
                 k if fuse else q,
@@ -1297,9 +1297,9 @@ def _attention(
                 USE_DOT=use_dot,
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
-                EARLY_READS=fuse and bool(cfg["early_reads"]),
+                EARLY_READS=early,
                 PREFETCH=bool(cfg["prefetch"]),
-                L2_TILES=int(cfg["l2_prefetch"]) if fuse and cfg["early_reads"] and l2_hint else 0,
+                L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
                 PRECISION=precision,
                 USE_PDL=pdl,
