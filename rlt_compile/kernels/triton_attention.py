@@ -347,9 +347,10 @@ def _merge_head(
     part_out_ptr, part_lse_ptr, t64, h, num_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
     stride_lt, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Head ``h`` of token ``t64`` from its ``NUM_SPLITS`` split-K partial outputs and log2-sum-exps,
-    all loaded at once (``num_valid``: NUM_SPLITS, or 0 for a padding row, which gives zeros; empty
-    splits have lse = -inf and weigh nothing). Through L2 (``.cg``): other programs wrote them."""
+    """Head ``h`` of token ``t64`` from the first ``num_valid`` of its split-K partial outputs and
+    log2-sum-exps (0 for a padding row, which gives zeros; empty splits have lse = -inf and a zero
+    output, and weigh nothing). Both loads are issued at once, one memory round trip: every split
+    below ``num_valid`` has written both. Through L2 (``.cg``): other programs wrote them."""
     offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
     s_valid = offs_s < num_valid  # (a scalar & block mask misbehaves in the interpreter)
     lse = tl.load(
@@ -361,7 +362,7 @@ def _merge_head(
     denom = tl.sum(w, axis=0)
     parts = tl.load(
         part_out_ptr + offs_s[:, None] * stride_ps + t64 * stride_pt + h * stride_ph + offs_d[None, :],
-        mask=s_valid[:, None] & (w[:, None] > 0.0) & d_mask[None, :],
+        mask=s_valid[:, None] & d_mask[None, :],
         other=0.0,
         cache_modifier=".cg",
     )
@@ -370,15 +371,16 @@ def _merge_head(
 
 @triton.jit
 def _merge_group(
-    part_out_ptr, part_lse_ptr, t64, heads, rows_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph, stride_ls,
-    stride_lt, NUM_SPLITS: tl.constexpr,
+    part_out_ptr, part_lse_ptr, t64, heads, rows_valid, num_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """``_merge_head`` for the rows ``heads`` ``[ROWS]`` of a GQA group at once: ``[ROWS, BLOCK_D]``
-    (rows not ``rows_valid`` give zeros)."""
+    (rows not ``rows_valid`` give zeros), over the first ``num_valid`` splits."""
     offs_s = tl.arange(0, NUM_SPLITS).to(tl.int64)
+    s_valid = offs_s < num_valid
     lse = tl.load(
         part_lse_ptr + offs_s[None, :] * stride_ls + t64 * stride_lt + heads[:, None],
-        mask=rows_valid[:, None],
+        mask=rows_valid[:, None] & s_valid[None, :],
         other=float("-inf"),
         cache_modifier=".cg",
     )
@@ -395,7 +397,7 @@ def _merge_group(
     )
     parts = tl.load(
         part_ptrs,
-        mask=rows_valid[:, None, None] & (w[:, :, None] > 0.0) & d_mask[None, None, :],
+        mask=rows_valid[:, None, None] & s_valid[None, :, None] & d_mask[None, None, :],
         other=0.0,
         cache_modifier=".cg",
     )
@@ -424,8 +426,10 @@ def _decode_start(
     FUSE_WRITE: tl.constexpr,
 ):  # fmt: skip
     """What a decode program reads from the metadata: returns ``(is_real, q_start, ctx_len, kv_lo,
-    kv_hi, cache_hi, table, slot, block)``; keys ``[kv_lo, kv_hi)`` are this split's, ``[kv_lo,
-    cache_hi)`` of them come from the cache, ``block`` holds the block-table entries of its first tile."""
+    kv_hi, cache_hi, table, slot, block, active)``; keys ``[kv_lo, kv_hi)`` are this split's,
+    ``[kv_lo, cache_hi)`` of them come from the cache, ``block`` holds the block-table entries of its
+    first tile, and the first ``active`` splits of the token have keys (whole tiles are dealt to the
+    splits in order, so a short context leaves the later splits empty)."""
     # Token t's sequence. Fast path (a pure decode row): sequence t owns exactly token t. Otherwise
     # (padding rows, or a multi-token sequence in a batch that merely has num_tokens == num_seqs) count.
     q_start = tl.load(query_start_ptr + t)
@@ -448,10 +452,12 @@ def _decode_start(
     if NUM_SPLITS == 1:
         kv_lo = 0
         kv_hi = kv_end
+        active = 1
     else:
         tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
         kv_lo = split * tiles_per_split * BLOCK_N
         kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+        active = tl.cdiv(kv_end, tl.maximum(tiles_per_split, 1) * BLOCK_N)
     if FUSE_WRITE:
         cache_hi = tl.minimum(kv_hi, ctx_len)
         slot = tl.load(slot_ptr + t.to(tl.int64)).to(tl.int64)
@@ -460,7 +466,7 @@ def _decode_start(
         slot = tl.full([], -1, tl.int64)
     table = block_tables_ptr + tl.minimum(seq, num_seqs - 1).to(tl.int64) * stride_bt
     block = tl.load(table + (kv_lo + offs_n) // BLOCK_SIZE, mask=kv_lo + offs_n < cache_hi, other=0).to(tl.int64)
-    return is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block
+    return is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active
 
 
 def _paged_attention_decode_kernel(
@@ -532,7 +538,7 @@ def _paged_attention_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     head_off = kv_head.to(tl.int64) * stride_ch
     if EARLY_READS:
-        is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block = _decode_start(
+        is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active = _decode_start(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
             BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
@@ -552,7 +558,7 @@ def _paged_attention_decode_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if not EARLY_READS:
-        is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block = _decode_start(
+        is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active = _decode_start(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
             BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
@@ -575,6 +581,9 @@ def _paged_attention_decode_kernel(
                 zeros = tl.zeros([ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
                 tl.store(o_ptrs, zeros, mask=row_valid[:, None] & d_mask[None, :])
         return
+    if FUSE_REDUCE:  # noqa: SIM102 (constexpr, then runtime)
+        if split >= active:  # no keys here: the merge weighs only the first `active` splits
+            return
 
     q_ptrs = q_ptr + t64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
@@ -623,7 +632,10 @@ def _paged_attention_decode_kernel(
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_mask[None, :]
     o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
-    if NUM_SPLITS == 1:
+    alone = NUM_SPLITS == 1
+    if FUSE_REDUCE:
+        alone = active == 1  # the only split with keys: no partials, no merge
+    if alone:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         split64 = split.to(tl.int64)
@@ -632,23 +644,24 @@ def _paged_attention_decode_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + split64 * stride_ls + t64 * stride_lt + head, lse, mask=row_valid)
         if FUSE_REDUCE:
-            # The last split of (token, KV head) to finish merges them all: count the finished splits
-            # (the barrier orders every thread's partial stores before the release of the count).
+            # The last split of (token, KV head) with keys to finish merges them all: count the finished
+            # splits (the barrier orders every thread's partial stores before the release of the count).
+            # Only `active` splits count: fewer atomics on one address and fewer partials to load.
             tl.debug_barrier()
             counter = counter_ptr + t64 * tl.num_programs(1) + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
+            if done == active - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has counted: reset
                 if GROUP == 1:
                     merged = _merge_head(
-                        part_out_ptr, part_lse_ptr, t64, kv_head, NUM_SPLITS, offs_d, d_mask,
+                        part_out_ptr, part_lse_ptr, t64, kv_head, active, offs_d, d_mask,
                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
                     )  # fmt: skip
                     o_row = out_ptr + t64 * stride_ot + kv_head * stride_oh + offs_d * stride_od
                     tl.store(o_row, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-                else:  # the group's heads at once: two memory round trips, not two per head
+                else:  # the group's heads at once: one memory round trip, not one per head
                     merged = _merge_group(
-                        part_out_ptr, part_lse_ptr, t64, head, row_valid, offs_d, d_mask,
+                        part_out_ptr, part_lse_ptr, t64, head, row_valid, active, offs_d, d_mask,
                         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS,
                     )  # fmt: skip
                     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -987,6 +1000,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
         "fuse_reduce": mha,
         "early_reads": True,
         "l2_prefetch": 1,
+        "maxnreg": None,  # a register cap per thread (NVIDIA's ptx .maxnreg): more resident programs
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -1030,6 +1044,8 @@ CONFIG_KEYS = frozenset(
         "mask_split",
         "pad_group",
         "reverse_tiles",
+        "warp_specialize",
+        "maxnreg",
     }
 )
 
@@ -1305,6 +1321,7 @@ def _attention(
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
+                **({"maxnreg": int(cfg["maxnreg"])} if cfg["maxnreg"] and nvidia else {}),
                 **_pdl_launch_options(pdl),
             )
         else:
