@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from rlt_compile import envs  # noqa: E402
 from rlt_compile.kernels import triton_attention as ta  # noqa: E402
 from rlt_compile.kernels.triton_attention import attention_forward, paged_attention_triton  # noqa: E402
 
@@ -56,6 +57,9 @@ MODELS = {  # name -> (q heads, kv heads, head dim)
     "Nanbeige GQA 48/8x128": (48, 8, 128),
 }
 BLOCK_SIZE = 16
+HEAD_MAJOR = False  # --head-major: the cache's storage [2, blocks, Hkv, block_size, D]
+EXTRA: list[tuple[str, dict]] = []  # --extra: more sweep candidates
+CASES: set[tuple[int, int]] = set()  # --cases: only these (batch, context) sweep cases
 
 
 TIMER = "graph"
@@ -127,7 +131,10 @@ def make_paged(batch, ctx, q_len, heads, kv_heads, dim, dtype, device, seed=0):
     num_blocks = batch * blocks_per_seq
     perm = torch.randperm(num_blocks, generator=gen)
     tables = perm.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device=device)
+    if HEAD_MAJOR:  # each (block, KV head)'s rows contiguous in memory; the same [2, blocks, bs, Hkv, D] view
+        cache = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, dim, dtype=dtype, device=device).transpose(2, 3)
+    else:
+        cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device=device)
     q = torch.randn(batch * q_len, heads, dim, dtype=dtype, device=device)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
@@ -143,8 +150,8 @@ def step_inputs(cache, tables, pos: torch.Tensor):
     the rows already in the cache there, so the (fused) KV write leaves the cache and the SDPA
     reference unchanged."""
     slots = (tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1).contiguous()
-    flat = cache.view(2, -1, *cache.shape[3:])
-    return slots, flat[0][slots].clone(), flat[1][slots].clone()
+    block, offset = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    return slots, cache[0][block, offset].clone(), cache[1][block, offset].clone()
 
 
 def decode_step_inputs(cache, tables, ctx):
@@ -176,6 +183,8 @@ def decode_rows(device, dtype, batches, contexts, copy_gbps):
     for name, (heads, kv_heads, dim) in MODELS.items():
         for ctx in contexts:
             for batch in batches:
+                if CASES and (batch, ctx) not in CASES:
+                    continue
                 q, cache, tables, seq_lens, qsl, q_s, k_s, v_s = make_paged(
                     batch, ctx, 1, heads, kv_heads, dim, dtype, device
                 )
@@ -252,6 +261,7 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     else:
         cands.append(("split reduce kernel", {"fuse_reduce": False}))
     cands.append(("metadata after the PDL wait", {"early_reads": False}))
+    cands += EXTRA
     if group == 1:
         cands.append(("multiply + sum (no tl.dot)", {"use_dot": False}))
         cands.append(("tl.dot 16-row tile", {"use_dot": True}))
@@ -274,6 +284,8 @@ def sweep_rows(device, dtype, batches, contexts):
     for name, (heads, kv_heads, dim) in MODELS.items():
         for ctx in contexts:
             for batch in batches:
+                if CASES and (batch, ctx) not in CASES:
+                    continue
                 q, cache, tables, seq_lens, qsl, q_s, k_s, v_s = make_paged(
                     batch, ctx, 1, heads, kv_heads, dim, dtype, device
                 )
@@ -586,10 +598,18 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--no-table", action="store_true", help="with a sweep: skip the decode/prefill tables")
     parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph", help="CUDA timing method")
+    parser.add_argument("--head-major", action="store_true", help="cache storage [2, blocks, Hkv, bs, D] (a view)")
+    parser.add_argument(
+        "--extra", default="", help="with --sweep: more candidates, 'key=int,key=int;key=int' (one per ';')"
+    )
+    parser.add_argument("--cases", default="", help="with --sweep: only these BATCHxCONTEXT cases, comma-separated")
     parser.add_argument("--models", default="", help="comma-separated name fragments: only these models")
     args = parser.parse_args(argv)
-    global TIMER, MODELS
+    global TIMER, MODELS, HEAD_MAJOR, CASES
     TIMER = args.timer
+    HEAD_MAJOR = args.head_major
+    EXTRA.extend((item.strip(), envs.parse_attention_config(item)) for item in filter(None, args.extra.split(";")))
+    CASES = {tuple(int(n) for n in case.split("x")) for case in filter(None, args.cases.split(","))}
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:

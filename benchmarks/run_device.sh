@@ -317,4 +317,53 @@ if [[ $what == pending40 ]]; then
   tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
 fi
+if [[ $what == pending41 ]]; then
+  # session 15: decode split-K merge over the splits that have keys, lse and partials loaded at once:
+  # GPU parity, then Ouro-1.4B end to end against the previous tree (.carry/old, carried) alternating
+  timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
+    tests/test_graphs_gpu.py -k "decode or pdl or graph" > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  for tree in old new old new; do
+    dir=$PWD; [[ $tree == old ]] && dir=$PWD/.carry/old
+    echo "== $tree"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b \
+      --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token")
+  done
+  for tree in old new; do
+    dir=$PWD; [[ $tree == old ]] && dir=$PWD/.carry/old
+    echo "== chain $tree"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 100 python3 benchmarks/gemv_chain_bench.py --variants \
+      --reps 20 --only "swiglu epilogue" 2>&1 | tail -4)
+  done
+fi
+if [[ $what == pending42 ]]; then
+  # session 15: the KV cache stored head-major ([2, blocks, Hkv, bs, D] under the same view): attention
+  # table with each layout, then the Nanbeige decode sweep head-major (issue 3)
+  run timeout 170 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
+  run timeout 170 python3 benchmarks/attention_bench.py --head-major --out "$OUT/attention_head_major.md"
+  run timeout 150 python3 benchmarks/attention_bench.py --head-major --sweep --no-table --models Nanbeige \
+    --out "$OUT/sweep_head_major.md"
+fi
+if [[ $what == pending43 ]]; then
+  # session 15: Triton's automatic warp specialization of the TMA prefill kernel's key loop (issue 3)
+  run timeout 200 python3 benchmarks/prefill_tma_bench.py --warp-specialize --out "$OUT/prefill_ws.md"
+fi
+if [[ $what == pending44 ]]; then
+  # session 15: Nsight Compute on the decode kernel: Nanbeige batch 32 at 1k (63% of copy bandwidth) with
+  # the reduce kernel and with the fused merge, Ouro batch 1 at 128 (the decode chain's shape) (issue 3/4)
+  prof() { local tag=$1; shift; timeout 150 ncu --kernel-name regex:_paged_attention_decode_kernel --launch-skip 2 \
+    --launch-count 1 --set full python3 benchmarks/attention_case.py "$@" > "$OUT/ncu_$tag.txt" 2>&1
+    echo "== $tag rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Waves Per SM" "$OUT/ncu_$tag.txt" | head -12; }
+  prof nanbeige_b32_1k --model Nanbeige --batch 32 --ctx 1024
+  RLT_ATTENTION_CONFIG=fuse_reduce=1 prof nanbeige_b32_1k_fused --model Nanbeige --batch 32 --ctx 1024
+  prof ouro_b1_128 --model Ouro --batch 1 --ctx 129
+fi
+if [[ $what == pending45 ]]; then
+  # session 15: GQA decode held to 4 programs per SM by 128 registers (ncu, pending44): register caps,
+  # alone and with one stage / more splits (issue 3)
+  run timeout 250 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige \
+    --cases 1x1024,32x1024,128x1024,32x8192,32x128 --extra "maxnreg=96;maxnreg=80;maxnreg=64;stages=1,maxnreg=80;\
+stages=1,maxnreg=64;splits=4,maxnreg=80;splits=4,stages=1,maxnreg=64;fuse_reduce=1,maxnreg=80;block_n=32,maxnreg=64;\
+fuse_reduce=1,stages=1,maxnreg=64" --out "$OUT/sweep_maxnreg.md"
+fi
 exit 0

@@ -110,7 +110,11 @@ def rlt_attention_backend() -> str:
 def rlt_attention_config() -> dict[str, int]:
     """``RLT_ATTENTION_CONFIG`` parsed: ``"fuse_reduce=0, waves=4"`` -> ``{"fuse_reduce": 0, "waves": 4}``
     (keys are checked by the attention launcher)."""
-    raw = os.environ.get("RLT_ATTENTION_CONFIG", "")
+    return parse_attention_config(os.environ.get("RLT_ATTENTION_CONFIG", ""))
+
+
+def parse_attention_config(raw: str) -> dict[str, int]:
+    """``"key=int, key=int"`` -> ``{key: int}``, the format of ``RLT_ATTENTION_CONFIG``."""
     config: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, sep, value = item.partition("=")
