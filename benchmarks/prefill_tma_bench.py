@@ -22,17 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (block_m, block_n, warps, stages, KV write inside the kernel[, warp specialization]); the first is the
-# default.
+# (block_m, block_n, warps, stages, KV write inside the kernel); the first is the default.
 TILES = [(64, 64, 4, 3, True), (64, 64, 4, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True)]
-# --warp-specialize: the default, then Triton's automatic warp specialization of the main key loop.
-WS_TILES = [
-    (64, 64, 4, 3, True),
-    (128, 64, 8, 2, True, True),
-    (128, 64, 8, 3, True, True),
-    (128, 128, 8, 2, True, True),
-    (64, 64, 4, 3, True, True),
-]
 
 
 def mixed_inputs(heads, kv_heads, dim, dtype, device, prompt, decodes, ctx):
@@ -85,12 +76,10 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
     rows = []
     t_unified = None if smoke else bench(lambda: op({"prefill_tma": False}), device)
     t_sdpa = None if smoke or dense is None else bench(lambda: sdpa(*dense, scale, True), device)
-    for block_m, block_n, warps, stages, fuse_write, *ws in tiles:
+    for block_m, block_n, warps, stages, fuse_write in tiles:
         cfg = {"prefill_tma": True, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages}
         cfg["fuse_write"] = fuse_write
-        cfg["warp_specialize"] = bool(ws and ws[0])
         tile = f"m{block_m} n{block_n} w{warps} s{stages}" + ("" if fuse_write else ", separate KV write")
-        tile += ", warp-specialized" if cfg["warp_specialize"] else ""
         try:
             err = (op(cfg).float() - ref.float()).abs().max().item()
             t = None if smoke else bench(lambda cfg=cfg: op(cfg), device)
@@ -115,7 +104,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--warp-specialize", action="store_true", help="time WS_TILES (fresh prompts only)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -127,8 +115,6 @@ def main(argv=None) -> int:
 
         device, dtype = torch.device("cuda"), torch.bfloat16
         models, fresh, chunk, mix, tiles = MODELS, [(8, 1024), (1, 8192)], (2, 2560, 512), (512, 31, 2048), TILES
-        if args.warp_specialize:
-            tiles, chunk, mix = WS_TILES, None, None
     lines = [
         "| model | case | TMA tile | op us | unified op us | vs unified | SDPA us | vs SDPA | max err |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -137,8 +123,6 @@ def main(argv=None) -> int:
         for batch, ctx in fresh:
             inputs, dense = paged_inputs(*dims, dtype, device, batch, ctx, ctx)
             lines += run_case(name, dims, f"fresh {batch} x {ctx}", inputs, dense, tiles, args.smoke)
-        if chunk is None:
-            continue
         batch, ctx, q_len = chunk
         inputs, _ = paged_inputs(*dims, dtype, device, batch, ctx, q_len)
         lines += run_case(name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles, args.smoke)

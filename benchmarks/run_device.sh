@@ -345,7 +345,8 @@ if [[ $what == pending42 ]]; then
     --out "$OUT/sweep_head_major.md"
 fi
 if [[ $what == pending43 ]]; then
-  # session 15: Triton's automatic warp specialization of the TMA prefill kernel's key loop (issue 3)
+  # session 15: Triton's automatic warp specialization of the TMA prefill kernel's key loop (issue 3);
+  # slower, removed: --warp-specialize exists at commit ba6f2cb
   run timeout 200 python3 benchmarks/prefill_tma_bench.py --warp-specialize --out "$OUT/prefill_ws.md"
 fi
 if [[ $what == pending44 ]]; then
@@ -360,7 +361,7 @@ if [[ $what == pending44 ]]; then
 fi
 if [[ $what == pending45 ]]; then
   # session 15: GQA decode held to 4 programs per SM by 128 registers (ncu, pending44): register caps,
-  # alone and with one stage / more splits (issue 3)
+  # alone and with one stage / more splits (issue 3); slower, removed: the maxnreg key exists at commit ba6f2cb
   run timeout 250 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige \
     --cases 1x1024,32x1024,128x1024,32x8192,32x128 --extra "maxnreg=96;maxnreg=80;maxnreg=64;stages=1,maxnreg=80;\
 stages=1,maxnreg=64;splits=4,maxnreg=80;splits=4,stages=1,maxnreg=64;fuse_reduce=1,maxnreg=80;block_n=32,maxnreg=64;\

@@ -84,7 +84,6 @@ def _prefill_tma_kernel(
     SEQ_P: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
@@ -131,7 +130,7 @@ def _prefill_tma_kernel(
 
     # The step's own rows through TMA: below the tile's diagonal unmasked, then the diagonal tiles.
     col = kv_head * HEAD_DIM
-    for start in tl.range(0, m0, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start in range(0, m0, BLOCK_N):
         k = k_desc.load([q_start + start, col])
         v = v_desc.load([q_start + start, col])
         m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, None, PRECISION)
@@ -178,7 +177,6 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg["warp_specialize"] = False
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -288,7 +286,6 @@ def prefill_tma_attention(
             SEQ_P=triton.next_power_of_2(num_seqs + 1),
             PRECISION=precision,
             WRITE_KV=slot_mapping is not None,
-            WARP_SPECIALIZE=bool(cfg["warp_specialize"]),
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],

@@ -1000,7 +1000,6 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
         "fuse_reduce": mha,
         "early_reads": True,
         "l2_prefetch": 1,
-        "maxnreg": None,  # a register cap per thread (NVIDIA's ptx .maxnreg): more resident programs
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -1044,8 +1043,6 @@ CONFIG_KEYS = frozenset(
         "mask_split",
         "pad_group",
         "reverse_tiles",
-        "warp_specialize",
-        "maxnreg",
     }
 )
 
@@ -1321,7 +1318,6 @@ def _attention(
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
-                **({"maxnreg": int(cfg["maxnreg"])} if cfg["maxnreg"] and nvidia else {}),
                 **_pdl_launch_options(pdl),
             )
         else:
