@@ -367,4 +367,15 @@ if [[ $what == pending45 ]]; then
 stages=1,maxnreg=64;splits=4,maxnreg=80;splits=4,stages=1,maxnreg=64;fuse_reduce=1,maxnreg=80;block_n=32,maxnreg=64;\
 fuse_reduce=1,stages=1,maxnreg=64" --out "$OUT/sweep_maxnreg.md"
 fi
+if [[ $what == pending46 ]]; then
+  # session 15: Nsight Compute on each batch-1 decode GEMV alone (Ouro-1.4B, Nanbeige), clocks unlocked (issue 4)
+  for model in ouro-1.4b nanbeige4.2-3b; do
+    timeout 200 ncu --clock-control none --kernel-name regex:gemv --launch-skip 4 --launch-count 4 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats python3 benchmarks/gemv_case.py --model $model \
+      > "$OUT/ncu_gemv_$model.txt" 2>&1
+    echo "== $model rc=$?"
+    grep -E "Grid Size|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Waves Per SM" "$OUT/ncu_gemv_$model.txt"
+  done
+fi
 exit 0
