@@ -378,4 +378,12 @@ if [[ $what == pending46 ]]; then
     grep -E "Grid Size|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Waves Per SM" "$OUT/ncu_gemv_$model.txt"
   done
 fi
+if [[ $what == pending47 ]]; then
+  # session 15, the final tree: GPU tests (logs in $OUT), then the four models and the attention table
+  timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
+    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
+  run timeout 100 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
+fi
 exit 0
