@@ -386,4 +386,14 @@ if [[ $what == pending47 ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 100 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending48 ]]; then
+  # session 15: the merge over the splits with keys where most splits are empty: the decode chain at
+  # context 128 with a 4096-position block table (32 splits at batch 1), previous tree (.carry/old) first
+  for tree in old new old new; do
+    dir=$PWD; [[ $tree == old ]] && dir=$PWD/.carry/old
+    echo "== chain $tree"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 70 python3 benchmarks/gemv_chain_bench.py --variants \
+      --reps 20 --table 4096 --only "swiglu epilogue" 2>&1 | grep -E "^\| swiglu epilogue \|")
+  done
+fi
 exit 0
