@@ -396,4 +396,14 @@ if [[ $what == pending48 ]]; then
       --reps 20 --table 4096 --only "swiglu epilogue" 2>&1 | grep -E "^\| swiglu epilogue \|")
   done
 fi
+if [[ $what == pending49 ]]; then
+  # session 15: Ouro-1.4B end to end with a 4096-position block table (as an engine's, 32 splits at batch 1):
+  # the previous tree (.carry/old, with the same --table option) alternating with this one
+  for tree in old new old new; do
+    dir=$PWD; [[ $tree == old ]] && dir=$PWD/.carry/old
+    echo "== $tree"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --table 4096 \
+      --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token")
+  done
+fi
 exit 0

@@ -211,10 +211,10 @@ class Result:
 class Decoder:
     """One sequence: a prefilled context, then decode steps with inputs prepared ahead."""
 
-    def __init__(self, model, context: int, max_new: int, device, options: dict, seed: int = 0):
+    def __init__(self, model, context: int, max_new: int, device, options: dict, seed: int = 0, table: int = 0):
         self.model, self.device, self.options = model, device, options
         self.length = 0
-        blocks = -(-(context + max_new + 1) // BLOCK_SIZE)
+        blocks = -(-max(context + max_new + 1, table) // BLOCK_SIZE)
         self.table = [list(range(blocks))]
         self.blocks = blocks
         self.planes = model.allocate_kv_cache(blocks, BLOCK_SIZE, max_steps=options.get("num_steps"))
@@ -282,7 +282,7 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
     is_gpu = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if is_gpu else (lambda: None)
     max_new = args.eager_steps + args.compiled_steps + args.steps + 8
-    dec = Decoder(model, args.context, max_new, device, options)
+    dec = Decoder(model, args.context, max_new, device, options, table=args.table)
     if args.batch != 1:
         result.notes.append("only batch 1 is implemented; --batch ignored")
 
@@ -475,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiled-steps", type=int, default=16, help="decode tokens timed compiled, no graphs")
     parser.add_argument("--eager-steps", type=int, default=4, help="decode tokens timed eager")
     parser.add_argument("--context", type=int, default=128, help="prefilled context length")
+    parser.add_argument(
+        "--table",
+        type=int,
+        default=0,
+        help="positions the block table describes (default: the context and the decoded tokens; an engine's "
+        "tables describe its max model length, which sets the decode attention's split count)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mode", default=None, help="Inductor mode (default | max-autotune-no-cudagraphs)")
     parser.add_argument("--device", default="cuda")
