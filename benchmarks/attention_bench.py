@@ -19,6 +19,10 @@ context 128/1024/8192) time the op's whole decode call (KV write + attention, wh
 ``attention_forward``: the old unified kernel, the decode kernel's default and one-knob variations of
 it), check each against SDPA (max abs err), and print the best per case next to the default.
 
+``--extra "key=int,key=int;key=int"`` adds launcher configs to the decode sweep and ``--cases
+32x1024,1x8192`` limits it to those (batch, context) cases. ``--head-major`` stores the cache as
+``[2, blocks, Hkv, block_size, D]`` seen through the usual ``[2, blocks, block_size, Hkv, D]`` view.
+
 ``--prefill-sweep``: for each causal prefill case (the two models, 8 x 1k and 1 x 8k) time the
 unified kernel over a grid of tiles (``block_m`` x ``block_n`` x ``warps`` x ``stages``, the kernel's
 default row layout and masking), then the kernel options (``mask_split`` off, ``reverse_tiles``,

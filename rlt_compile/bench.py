@@ -18,7 +18,9 @@ tok/s, ms/token, % of the bandwidth floor (bytes read per token - loop weights o
 the rest once - over the copy bandwidth measured in the same run), % of design.md's yardstick,
 speedup over eager, compile time (first compiled call) and graph-capture time.
 
-``--device cpu --tiny`` runs the same code on tiny configs without graphs (a smoke test).
+``--device cpu --tiny`` runs the same code on tiny configs without graphs (a smoke test). ``--table N``
+sizes the block table for N positions, as an engine's is for its max model length (the default
+describes just the context and the decoded tokens); the decode attention's split count follows it.
 
 ``--engine-profile`` profiles the serving engine instead (``LLMEngine``, compiled + CUDA graphs on
 the GPU): decode at ``--batches`` (1, 32, 128) with synchronous and asynchronous scheduling on one
