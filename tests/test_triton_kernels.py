@@ -407,6 +407,20 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
+def test_decode_fused_merge_reads_only_the_splits_with_keys(monkeypatch, heads):
+    """Short contexts leave most of 16 splits without keys: those exit without writing partials or
+    counting, and the merge loads only the ones that wrote (split buffers start as NaN, so reading an
+    unwritten partial would show); a one-tile context is written by its lone split directly."""
+    case = make_case([1] * 4, [3, 15, 40, 0], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    real_empty = torch.empty
+    monkeypatch.setattr(
+        torch, "empty", lambda *a, **kw: t.fill_(float("nan")) if (t := real_empty(*a, **kw)).is_floating_point() else t
+    )
+    check_attention(case, 16, fused=True, config={"fuse_reduce": True})
+    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
+
+
 @pytest.mark.parametrize(("sms", "fused_write"), [(64, True), (4, True), (3, False)])
 def test_decode_write_is_fused_while_the_programs_fit_two_waves(monkeypatch, sms, fused_write):
     """4 sequence rows (one padding) x 2 KV heads = 8 (sequence, KV head) programs: the write is fused
