@@ -406,4 +406,15 @@ if [[ $what == pending49 ]]; then
       --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token")
   done
 fi
+if [[ $what == pending50 ]]; then
+  # next: why 32 splits (29 empty) beat 4 at context 128: the chain at the bench's short table with forced
+  # split counts, then Ouro-1.4B end to end with splits=32 forced, alternating with the default (issue 4)
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,splits=" \
+    --out "$OUT/chain_splits.md"
+  for cfg in "" splits=32 "" splits=32; do
+    echo "== RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+fi
 exit 0
