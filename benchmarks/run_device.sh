@@ -416,5 +416,12 @@ if [[ $what == pending50 ]]; then
     RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
+  # the block table read two tiles ahead (prefetch=2, issue 3), Nanbeige decode, GPU parity first
+  timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k "decode" \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"
+  run timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige \
+    --cases 1x1024,32x1024,128x1024,32x8192,1x8192 --extra "prefetch=2;prefetch=2,stages=3;prefetch=2,block_n=32" \
+    --out "$OUT/sweep_prefetch2.md"
 fi
 exit 0

@@ -358,6 +358,8 @@ def test_decode_kernel_fp16(heads, split_k, fused):
         {"block_n": 16, "splits": 8, "waves": 4},  # more splits than the short sequences have tiles
         {"warps": 2, "stages": 2, "reduce_warps": 1, "splits": 2},
         {"prefetch": False, "splits": 2},
+        {"prefetch": 2, "splits": 1},  # the block table two tiles ahead: 6 tiles in one split
+        {"prefetch": 2, "splits": 2},
         {"early_reads": False},
         {"l2_prefetch": 2, "splits": 2},  # (a hint the interpreter skips: the same results)
         {"fuse_write": False, "splits": 4},
@@ -479,6 +481,9 @@ def test_rlt_attention_config_sets_launcher_defaults(monkeypatch):
     monkeypatch.setenv("RLT_ATTENTION_CONFIG", "fuse_reduse=0")
     with pytest.raises(ValueError, match="fuse_reduse.*RLT_ATTENTION_CONFIG"):
         check_attention(case, None, fused=True)
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "prefetch=3")
+    with pytest.raises(ValueError, match="prefetch .*0, 1 or 2"):
+        check_attention(case, None, fused=True)
 
 
 def test_decode_kernel_gqa_without_dot_and_block_smaller_than_block_size():
@@ -487,6 +492,7 @@ def test_decode_kernel_gqa_without_dot_and_block_smaller_than_block_size():
     for split in (False, 4):
         check_attention(case, split, config={"use_dot": False}, fused=True)
         check_attention(case, split, config={"use_dot": False})
+        check_attention(case, split, config={"use_dot": False, "prefetch": 2}, fused=True)
 
 
 @pytest.mark.parametrize("head_dim", [24, 96])
@@ -695,7 +701,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     group = heads[0] // heads[1]
     configs = [None, {"splits": 1}, {"splits": 8}, {"splits": 64, "block_n": 16}, {"use_dot": group == 1}]
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
-    configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
+    configs += [{"prefetch": False}, {"prefetch": 2}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     for config in configs:
