@@ -408,10 +408,11 @@ if [[ $what == pending49 ]]; then
 fi
 if [[ $what == pending50 ]]; then
   # next: why 32 splits (29 empty) beat 4 at context 128: the chain at the bench's short table with forced
-  # split counts, then Ouro-1.4B end to end with splits=32 forced, alternating with the default (issue 4)
-  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,splits=" \
+  # split counts, then Ouro-1.4B end to end with splits=32 forced and with the decode kernel's PDL trigger
+  # after its wait (late_trigger=1: the o GEMV launches once the q/k/v GEMV is done), alternating (issue 4)
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,splits=,late_trigger" \
     --out "$OUT/chain_splits.md"
-  for cfg in "" splits=32 "" splits=32; do
+  for cfg in "" splits=32 late_trigger=1 "" splits=32 late_trigger=1; do
     echo "== RLT_ATTENTION_CONFIG=$cfg"
     RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"

@@ -423,6 +423,25 @@ def test_decode_fused_merge_reads_only_the_splits_with_keys(monkeypatch, heads):
     assert not triton_attention._COUNTERS[torch.device("cpu")].any()
 
 
+def test_decode_late_trigger_moves_only_the_decode_kernels_pdl_trigger(monkeypatch):
+    """``late_trigger=1`` launches the decode kernel with ``USE_PDL=1`` (trigger after its wait) where
+    PDL triggers first (``USE_PDL=2``); without PDL it stays 0, and the default keeps 2."""
+    q, k, v, cache, md = make_case([1] * 2, [20, 33], 4, 4, 16, 16, torch.float32)
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["USE_PDL"])
+
+    monkeypatch.setattr(triton_attention, "_kernel", lambda fn, interpret: Recorder())
+    meta = (md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
+    for pdl in (2, 0):
+        monkeypatch.setattr(triton_attention, "_use_pdl", lambda t, pdl=pdl: pdl)
+        for late in (0, 1):
+            attention_forward(q, k, v, cache, *meta, split_k=False, config={"late_trigger": late})
+    assert seen == [2, 1, 0, 0]
+
+
 @pytest.mark.parametrize(("sms", "fused_write"), [(64, True), (4, True), (3, False)])
 def test_decode_write_is_fused_while_the_programs_fit_two_waves(monkeypatch, sms, fused_write):
     """4 sequence rows (one padding) x 2 KV heads = 8 (sequence, KV head) programs: the write is fused
@@ -702,6 +721,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs = [None, {"splits": 1}, {"splits": 8}, {"splits": 64, "block_n": 16}, {"use_dot": group == 1}]
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
     configs += [{"prefetch": False}, {"prefetch": 2}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
+    configs += [{"late_trigger": 1}]
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     for config in configs:

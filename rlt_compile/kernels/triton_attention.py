@@ -1021,12 +1021,15 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     copies of the next tile never wait for the table; Nsight Compute, session 15, found the GQA
     kernel stalled on global loads at 4 programs per SM; 2 is not measured yet, so 1 stays the
     default). Checked with ptxas -v (sm_90): no spills for head_dim <= 128 (128 registers for GQA
-    with prefetch 1 or 2); fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
+    with prefetch 1 or 2); fp32 dots (ieee: FMA) need 8 warps (4 spill). ``late_trigger``: this
+    kernel lets the next one launch only after its own PDL wait (``RLT_PDL_TRIGGER=wait`` for it
+    alone), so the o GEMV's early weight reads start once the q/k/v GEMV is done (not measured yet)."""
     mha = group_p == 1
     cfg = {
         "use_dot": None if mha and dtype != torch.float32 and not interpret else not mha,  # None: _mha_dot
         "waves": 2,
         "prefetch": 1,
+        "late_trigger": 0,
         "fuse_reduce": mha,
         "early_reads": True,
         "l2_prefetch": 1,
@@ -1066,6 +1069,7 @@ CONFIG_KEYS = frozenset(
         "use_dot",
         "waves",
         "prefetch",
+        "late_trigger",
         "fuse_reduce",
         "early_reads",
         "l2_prefetch",
@@ -1349,7 +1353,7 @@ def _attention(
                 L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
                 PRECISION=precision,
-                USE_PDL=pdl,
+                USE_PDL=min(pdl, 1) if cfg["late_trigger"] else pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
                 **_pdl_launch_options(pdl),
