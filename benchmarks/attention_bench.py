@@ -20,7 +20,7 @@ context 128/1024/8192) time the op's whole decode call (KV write + attention, wh
 it), check each against SDPA (max abs err), and print the best per case next to the default.
 
 ``--extra "key=int,key=int;key=int"`` adds launcher configs to the decode sweep and ``--cases
-32x1024,1x8192`` limits it to those (batch, context) cases. ``--head-major`` stores the cache as
+32x1024,1x8192`` limits the decode sweep and table to those (batch, context) cases. ``--head-major`` stores the cache as
 ``[2, blocks, Hkv, block_size, D]`` seen through the usual ``[2, blocks, block_size, Hkv, D]`` view.
 
 ``--prefill-sweep``: for each causal prefill case (the two models, 8 x 1k and 1 x 8k) time the
@@ -606,7 +606,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--extra", default="", help="with --sweep: more candidates, 'key=int,key=int;key=int' (one per ';')"
     )
-    parser.add_argument("--cases", default="", help="with --sweep: only these BATCHxCONTEXT cases, comma-separated")
+    parser.add_argument("--cases", default="", help="decode: only these BATCHxCONTEXT cases, comma-separated")
     parser.add_argument("--models", default="", help="comma-separated name fragments: only these models")
     args = parser.parse_args(argv)
     global TIMER, MODELS, HEAD_MAJOR, CASES
