@@ -37,6 +37,7 @@ import triton.language as tl
 from rlt_compile import platform as _platform
 from rlt_compile.kernels.triton_attention import (
     _LOG2E,
+    _block_ids,
     _interpret,
     _interpreter_scope,
     _kernel,
@@ -122,7 +123,7 @@ def _prefill_tma_kernel(
     for start in range(0, ctx_len, BLOCK_N):
         pos = start + offs_n
         valid = pos < ctx_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        block = _block_ids(table, pos, ctx_len, BLOCK_SIZE)
         kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)

@@ -260,7 +260,7 @@ def _paged_attention_kernel(
             pos = start + offs_n
             n_valid = pos < kv_hi
             if masked:
-                block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+                block = _block_ids(table, pos, kv_hi, BLOCK_SIZE)
             else:
                 block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
             kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
@@ -405,6 +405,13 @@ def _merge_group(
 
 
 @triton.jit
+def _block_ids(table, pos, hi, BLOCK_SIZE: tl.constexpr):
+    """The block-table entries (int64) of the KV blocks holding key positions ``pos`` of the row at
+    ``table``; 0 for positions at or past ``hi``."""
+    return tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+
+
+@triton.jit
 def _tile_blocks(table, start, cache_hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """The block-table entries of the key tile at ``start``, one per KV block it touches (int32,
     compact: a few registers to carry through a loop; ``_expand_blocks`` makes them per key)."""
@@ -485,7 +492,7 @@ def _decode_start(
         cache_hi = kv_hi
         slot = tl.full([], -1, tl.int64)
     table = block_tables_ptr + tl.minimum(seq, num_seqs - 1).to(tl.int64) * stride_bt
-    block = tl.load(table + (kv_lo + offs_n) // BLOCK_SIZE, mask=kv_lo + offs_n < cache_hi, other=0).to(tl.int64)
+    block = _block_ids(table, kv_lo + offs_n, cache_hi, BLOCK_SIZE)
     return is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active
 
 
@@ -568,7 +575,7 @@ def _paged_attention_decode_kernel(
                 pos_i = kv_lo + i * BLOCK_N + offs_n
                 block_i = block
                 if i > 0:
-                    block_i = tl.load(table + pos_i // BLOCK_SIZE, mask=pos_i < cache_hi, other=0).to(tl.int64)
+                    block_i = _block_ids(table, pos_i, cache_hi, BLOCK_SIZE)
                 rows = block_i * stride_cb + (pos_i % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
                 lines = rows[:, None] + line[None, :] * stride_cd
                 lines_mask = (pos_i < cache_hi)[:, None] & (line[None, :] < head_dim)
@@ -624,14 +631,13 @@ def _paged_attention_decode_kernel(
         pos = start + offs_n
         n_valid = pos < cache_hi
         if PREFETCH == 0:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            block = _block_ids(table, pos, cache_hi, BLOCK_SIZE)
         kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
         kv_mask = n_valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
         if PREFETCH == 1:
-            nxt = pos + BLOCK_N
-            block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < cache_hi, other=0).to(tl.int64)
+            block = _block_ids(table, pos + BLOCK_N, cache_hi, BLOCK_SIZE)
         if PREFETCH == 2:
             block = _expand_blocks(block_ahead, BLOCK_N, BLOCK_SIZE).to(tl.int64)
             block_ahead = _tile_blocks(table, start + 2 * BLOCK_N, cache_hi, BLOCK_N, BLOCK_SIZE)
