@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|pending1..pending20|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending50|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
+#   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -302,11 +303,12 @@ if [[ $what == pending38 ]]; then
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
 fi
-if [[ $what == pending39 ]]; then
-  # session 14: l2_prefetch=1 the default: GPU tests (logs in $OUT), then the four models (issue 4)
+if [[ $what == final || $what == pending39 || $what == pending47 ]]; then
+  # a session's final tree (session 14: pending39, session 15: pending47): GPU tests (logs in $OUT), then
+  # the four models and the attention table (issues 3, 4)
   timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
     tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
-  tail -5 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
@@ -377,14 +379,6 @@ if [[ $what == pending46 ]]; then
     echo "== $model rc=$?"
     grep -E "Grid Size|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Waves Per SM" "$OUT/ncu_gemv_$model.txt"
   done
-fi
-if [[ $what == pending47 ]]; then
-  # session 15, the final tree: GPU tests (logs in $OUT), then the four models and the attention table
-  timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
-    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
-  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
-  run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
-  run timeout 100 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending48 ]]; then
   # session 15: the merge over the splits with keys where most splits are empty: the decode chain at
