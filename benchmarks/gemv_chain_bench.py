@@ -166,7 +166,6 @@ ATTENTION_VARIANTS = (
     # table, 32 splits, the chain and the model ran faster than with the 4 the short table allows)
     {"splits": 8},
     {"splits": 32},
-    {"late_trigger": 1},  # the o GEMV launches once the q/k/v GEMV is done
 )
 
 

@@ -358,8 +358,6 @@ def test_decode_kernel_fp16(heads, split_k, fused):
         {"block_n": 16, "splits": 8, "waves": 4},  # more splits than the short sequences have tiles
         {"warps": 2, "stages": 2, "reduce_warps": 1, "splits": 2},
         {"prefetch": False, "splits": 2},
-        {"prefetch": 2, "splits": 1},  # the block table two tiles ahead: 6 tiles in one split
-        {"prefetch": 2, "splits": 2},
         {"early_reads": False},
         {"l2_prefetch": 2, "splits": 2},  # (a hint the interpreter skips: the same results)
         {"fuse_write": False, "splits": 4},
@@ -423,25 +421,6 @@ def test_decode_fused_merge_reads_only_the_splits_with_keys(monkeypatch, heads):
     assert not triton_attention._COUNTERS[torch.device("cpu")].any()
 
 
-def test_decode_late_trigger_moves_only_the_decode_kernels_pdl_trigger(monkeypatch):
-    """``late_trigger=1`` launches the decode kernel with ``USE_PDL=1`` (trigger after its wait) where
-    PDL triggers first (``USE_PDL=2``); without PDL it stays 0, and the default keeps 2."""
-    q, k, v, cache, md = make_case([1] * 2, [20, 33], 4, 4, 16, 16, torch.float32)
-    seen = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["USE_PDL"])
-
-    monkeypatch.setattr(triton_attention, "_kernel", lambda fn, interpret: Recorder())
-    meta = (md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
-    for pdl in (2, 0):
-        monkeypatch.setattr(triton_attention, "_use_pdl", lambda t, pdl=pdl: pdl)
-        for late in (0, 1):
-            attention_forward(q, k, v, cache, *meta, split_k=False, config={"late_trigger": late})
-    assert seen == [2, 1, 0, 0]
-
-
 @pytest.mark.parametrize(("sms", "fused_write"), [(64, True), (4, True), (3, False)])
 def test_decode_write_is_fused_while_the_programs_fit_two_waves(monkeypatch, sms, fused_write):
     """4 sequence rows (one padding) x 2 KV heads = 8 (sequence, KV head) programs: the write is fused
@@ -500,9 +479,6 @@ def test_rlt_attention_config_sets_launcher_defaults(monkeypatch):
     monkeypatch.setenv("RLT_ATTENTION_CONFIG", "fuse_reduse=0")
     with pytest.raises(ValueError, match="fuse_reduse.*RLT_ATTENTION_CONFIG"):
         check_attention(case, None, fused=True)
-    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "prefetch=3")
-    with pytest.raises(ValueError, match="prefetch .*0, 1 or 2"):
-        check_attention(case, None, fused=True)
 
 
 def test_decode_kernel_gqa_without_dot_and_block_smaller_than_block_size():
@@ -511,7 +487,6 @@ def test_decode_kernel_gqa_without_dot_and_block_smaller_than_block_size():
     for split in (False, 4):
         check_attention(case, split, config={"use_dot": False}, fused=True)
         check_attention(case, split, config={"use_dot": False})
-        check_attention(case, split, config={"use_dot": False, "prefetch": 2}, fused=True)
 
 
 @pytest.mark.parametrize("head_dim", [24, 96])
@@ -720,8 +695,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     group = heads[0] // heads[1]
     configs = [None, {"splits": 1}, {"splits": 8}, {"splits": 64, "block_n": 16}, {"use_dot": group == 1}]
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
-    configs += [{"prefetch": False}, {"prefetch": 2}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
-    configs += [{"late_trigger": 1}]
+    configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     for config in configs:

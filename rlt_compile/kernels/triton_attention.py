@@ -412,26 +412,6 @@ def _block_ids(table, pos, hi, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _tile_blocks(table, start, cache_hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The block-table entries of the key tile at ``start``, one per KV block it touches (int32,
-    compact: a few registers to carry through a loop; ``_expand_blocks`` makes them per key)."""
-    if BLOCK_N >= BLOCK_SIZE:
-        first = start + tl.arange(0, BLOCK_N // BLOCK_SIZE) * BLOCK_SIZE
-    else:
-        first = start + tl.arange(0, 1)
-    return tl.load(table + first // BLOCK_SIZE, mask=first < cache_hi, other=0)
-
-
-@triton.jit
-def _expand_blocks(blocks, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """``_tile_blocks``' entries repeated for every key of the tile: ``[BLOCK_N]``."""
-    if BLOCK_N >= BLOCK_SIZE:
-        return tl.reshape(tl.broadcast_to(blocks[:, None], [BLOCK_N // BLOCK_SIZE, BLOCK_SIZE]), [BLOCK_N])
-    else:
-        return tl.broadcast_to(blocks, [BLOCK_N])
-
-
-@triton.jit
 def _prefetch_l2(ptrs, mask):
     """A hint, not a read: ``prefetch.global.L2`` of the lines at ``ptrs`` (where ``mask``), so a
     program can pull its first K/V tile into L2 before its PDL wait without holding it in registers
@@ -622,25 +602,19 @@ def _paged_attention_decode_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    # PREFETCH: the block-table entries of a tile are loaded PREFETCH tiles ahead (1: while this
-    # tile's K/V are in flight, so each iteration waits for one memory round trip instead of two; 2:
-    # a whole iteration earlier, so the pipelined K/V copies of the next tile need not wait for them).
-    if PREFETCH == 2:
-        block_ahead = _tile_blocks(table, kv_lo + BLOCK_N, cache_hi, BLOCK_N, BLOCK_SIZE)
+    # PREFETCH: the block-table entries of the next tile are loaded while this tile's K/V are in
+    # flight, so each iteration waits for one memory round trip instead of two.
     for start in range(kv_lo, cache_hi, BLOCK_N):
         pos = start + offs_n
         n_valid = pos < cache_hi
-        if PREFETCH == 0:
+        if not PREFETCH:
             block = _block_ids(table, pos, cache_hi, BLOCK_SIZE)
         kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
         kv_mask = n_valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0)
-        if PREFETCH == 1:
+        if PREFETCH:
             block = _block_ids(table, pos + BLOCK_N, cache_hi, BLOCK_SIZE)
-        if PREFETCH == 2:
-            block = _expand_blocks(block_ahead, BLOCK_N, BLOCK_SIZE).to(tl.int64)
-            block_ahead = _tile_blocks(table, start + 2 * BLOCK_N, cache_hi, BLOCK_N, BLOCK_SIZE)
         m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
     if FUSE_WRITE:  # this step's keys (the decode token itself) straight from k/v, in the cache dtype
         for start in range(tl.maximum(kv_lo, ctx_len), kv_hi, BLOCK_N):
@@ -1022,20 +996,16 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     of a split's cached K/V tiles it pulls into L2 (a PTX prefetch hint, CUDA only) before its PDL
     wait, while the q/k/v GEMV still runs; 1 tile made batch-1 decode 1.01x faster end to end on the
     H200 (Ouro-1.4B 3.94 vs 3.98 ms/token in two calls, Nanbeige 3.900 vs 3.914-3.919; session 14),
-    more tiles with fewer splits were slower. ``prefetch``: how many key tiles ahead the block table
-    is read (0, 1 or 2; 2 carries one tile's compact block ids through the loop so the pipelined K/V
-    copies of the next tile never wait for the table; Nsight Compute, session 15, found the GQA
-    kernel stalled on global loads at 4 programs per SM; 2 is not measured yet, so 1 stays the
-    default). Checked with ptxas -v (sm_90): no spills for head_dim <= 128 (128 registers for GQA
-    with prefetch 1 or 2); fp32 dots (ieee: FMA) need 8 warps (4 spill). ``late_trigger``: this
-    kernel lets the next one launch only after its own PDL wait (``RLT_PDL_TRIGGER=wait`` for it
-    alone), so the o GEMV's early weight reads start once the q/k/v GEMV is done (not measured yet)."""
+    more tiles with fewer splits were slower. ``prefetch``: the next key tile's block-table entries
+    are read while this tile's K/V are in flight (reading them two tiles ahead was no faster on the
+    H200, session 16: Nanbeige batch 32 at 1k 52.2 vs 52.2 us, batch 1 14.5 vs 13.8; nor was a PDL
+    trigger after the wait: Ouro-1.4B 3.945 vs 3.927 ms/token). Checked with ptxas -v (sm_90): no
+    spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {
         "use_dot": None if mha and dtype != torch.float32 and not interpret else not mha,  # None: _mha_dot
         "waves": 2,
-        "prefetch": 1,
-        "late_trigger": 0,
+        "prefetch": True,
         "fuse_reduce": mha,
         "early_reads": True,
         "l2_prefetch": 1,
@@ -1075,7 +1045,6 @@ CONFIG_KEYS = frozenset(
         "use_dot",
         "waves",
         "prefetch",
-        "late_trigger",
         "fuse_reduce",
         "early_reads",
         "l2_prefetch",
@@ -1100,10 +1069,6 @@ def _check_config(config: dict | None) -> dict:
         value = config.get(key)
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{key} must be a power of two >= 16, got {value}")
-    if config.get("prefetch") is not None and int(config["prefetch"]) not in (0, 1, 2):
-        raise ValueError(
-            f"prefetch is how many key tiles ahead the block table is read (0, 1 or 2), got {config['prefetch']}"
-        )
     return config
 
 
@@ -1355,11 +1320,11 @@ def _attention(
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=early,
-                PREFETCH=int(cfg["prefetch"]),
+                PREFETCH=bool(cfg["prefetch"]),
                 L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
                 PRECISION=precision,
-                USE_PDL=min(pdl, 1) if cfg["late_trigger"] else pdl,
+                USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
                 **_pdl_launch_options(pdl),
