@@ -241,7 +241,9 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     """A small set of launcher configs around the default (one knob at a time)."""
     default_n = 64
     table_blocks = -(-ctx // BLOCK_SIZE)
-    auto = ta.choose_decode_splits(batch, kv_heads, table_blocks, BLOCK_SIZE, default_n, num_sms)
+    auto = ta.choose_decode_splits(
+        batch, kv_heads, table_blocks, BLOCK_SIZE, default_n, num_sms, cap_to_table=group > 1
+    )
     cands = [
         ("old: write + unified", {"decode": False}),
         ("default", {}),

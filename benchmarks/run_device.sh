@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending50|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending51|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -418,5 +418,21 @@ if [[ $what == pending50 ]]; then
   run timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige \
     --cases 1x1024,32x1024,128x1024,32x8192,1x8192 --extra "prefetch=2;prefetch=2,stages=3;prefetch=2,block_n=32" \
     --out "$OUT/sweep_prefetch2.md"
+fi
+if [[ $what == pending51 ]]; then
+  # next: the decode split count at the bench's short block table (4 for batch 1) against the count an
+  # engine-sized table gives (the waves target: 32 for Ouro's 16 heads, 64 for Nanbeige's 8 KV heads), end to
+  # end, alternating (issues 3, 4)
+  bench_cfg() {  # model, configs...
+    local model=$1; shift
+    for cfg in "$@"; do
+      echo "== $model RLT_ATTENTION_CONFIG=$cfg"
+      RLT_ATTENTION_CONFIG=$cfg timeout 70 python3 -m rlt_compile.bench --model "$model" --eager-steps 0 \
+        --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+    done
+  }
+  bench_cfg ouro-1.4b "" splits=8 splits=16 splits=32 splits=64 ""
+  bench_cfg nanbeige4.2-3b "" splits=16 splits=64 ""
+  bench_cfg ouro-2.6b "" splits=32
 fi
 exit 0

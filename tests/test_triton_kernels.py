@@ -545,6 +545,10 @@ def test_choose_decode_splits_shape_only():
     assert choose_decode_splits(32, 8, 512, 16, 64, 132) == 2
     assert choose_decode_splits(32, 8, 512, 16, 64, 132, waves=1) == 1
     assert choose_decode_splits(0, 8, 512, 16, 64, 132) == 1
+    # uncapped: the waves target whatever the table (a short table then leaves splits empty)
+    assert choose_decode_splits(1, 16, 13, 16, 64, 132, cap_to_table=False) == 32
+    assert choose_decode_splits(1, 8, 13, 16, 64, 132, cap_to_table=False) == 64
+    assert choose_decode_splits(64, 8, 13, 16, 64, 132, cap_to_table=False) == 1
     for batch in (1, 3, 17):
         n = choose_decode_splits(batch, 2, 100, 16, 32, 64)
         assert n & (n - 1) == 0 and 1 <= n <= 64
@@ -840,6 +844,39 @@ def test_large_mha_decode_batches_take_the_unified_kernel():
     assert uses_decode_kernel(128, 128, None, 6, 8, 132)  # GQA: always the decode kernel
     assert uses_decode_kernel(32, 32, {"decode": True}, 1, 16, 132)
     assert not uses_decode_kernel(33, 32, None, 6, 8, 132)
+
+
+def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkeypatch):
+    """On an H200 (launches recorded on meta tensors), 8 decode rows at a 128-position table: MHA
+    (merge fused in the kernel, empty splits free) takes the waves target, 4 splits (128 programs
+    for 264 wanted), though its 2 key tiles fill only 2; GQA (a reduce kernel reads every split)
+    stays at the table's 2 tiles, as does the CPU interpreter, which runs every program."""
+    import dataclasses
+
+    from rlt_compile.kernels import aot
+    from rlt_compile.platform import Platform
+
+    short = [dataclasses.replace(w, max_model_len=128) for w in aot.WORKLOADS[:2]]
+    launches = aot.capture_launches(Platform.mock("cuda"), short, (torch.bfloat16,), ("decode-split",))
+    splits = {
+        launch.kwargs["GROUP"]: launch.kwargs["NUM_SPLITS"]
+        for launch in launches
+        if launch.kernel.endswith("_paged_attention_decode_kernel")
+    }
+    assert splits == {1: 4, 6: 2}
+
+    q, k, v, cache, md = make_case([1] * 8, [20] * 8, 4, 4, 16, 16, torch.float32)  # MHA, interpreted
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs.get("NUM_SPLITS"))
+
+    monkeypatch.setattr(triton_attention, "_kernel", lambda fn, interpret: Recorder())
+    table_blocks = md.block_tables.shape[1]  # = key tiles: the interpreter's are one 16-position block
+    attention_forward(q, k, v, cache, md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
+    assert choose_decode_splits(8, 4, table_blocks, 16, 16, 64, cap_to_table=False) > table_blocks
+    assert seen == [choose_decode_splits(8, 4, table_blocks, 16, 16, 64)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

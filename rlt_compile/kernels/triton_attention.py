@@ -961,10 +961,17 @@ def choose_decode_splits(
     block_n: int,
     num_sms: int,
     waves: int = 2,
+    cap_to_table: bool = True,
 ) -> int:
     """Split-K count of the decode kernel (shapes only): enough (token, KV head, split) programs for
-    about ``waves`` waves of the SMs, but no more splits than key tiles of ``block_n`` positions at
-    the longest context the block table can describe (``max_blocks_per_seq * block_size``).
+    about ``waves`` waves of the SMs, but (``cap_to_table``) no more splits than key tiles of
+    ``block_n`` positions at the longest context the block table can describe
+    (``max_blocks_per_seq * block_size``). Without the cap, a short table leaves splits empty: they
+    cost nothing where the merge is fused in the kernel (they exit at once and are not read), and
+    on the H200 the uncapped count was faster end to end at the bench's 208-position table (session
+    16, batch-1 decode: Ouro-1.4B 3.856 vs 3.928-3.934 ms/token at 32 splits against 4, Ouro-2.6B
+    7.596 vs 7.715; 8 splits 3.877, 16 3.917, 64 3.893; not for Nanbeige's reduce kernel: 64 splits
+    4.047 vs 3.865).
 
     Returns a power of two (1 = no split, no reduce launch)."""
     if num_tokens == 0:
@@ -974,7 +981,7 @@ def choose_decode_splits(
     if programs >= target:
         return 1
     splits = triton.next_power_of_2(triton.cdiv(target, programs))
-    max_tiles = max(1, triton.cdiv(max_blocks_per_seq * block_size, block_n))
+    max_tiles = max(1, triton.cdiv(max_blocks_per_seq * block_size, block_n)) if cap_to_table else splits
     while splits > 1 and splits > max_tiles:
         splits //= 2
     return max(1, min(splits, _MAX_SPLITS))
@@ -1249,7 +1256,15 @@ def _attention(
             split_k,
             config,
             lambda: choose_decode_splits(
-                num_tokens, num_kv_heads, block_tables.shape[1], block_size, block_n, num_sms, cfg["waves"]
+                num_tokens,
+                num_kv_heads,
+                block_tables.shape[1],
+                block_size,
+                block_n,
+                num_sms,
+                cfg["waves"],
+                # the interpreter runs every program, empty or not
+                cap_to_table=interpret or not cfg["fuse_reduce"],
             ),
         )
     else:
