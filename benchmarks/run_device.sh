@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending51|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending52|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -434,5 +434,16 @@ if [[ $what == pending51 ]]; then
   bench_cfg ouro-1.4b "" splits=8 splits=16 splits=32 splits=64 ""
   bench_cfg nanbeige4.2-3b "" splits=16 splits=64 ""
   bench_cfg ouro-2.6b "" splits=32
+fi
+if [[ $what == pending52 ]]; then
+  # next: the GEMV-only decode chain as one persistent kernel with grid barriers (what a megakernel could
+  # win, issue 4), then Huginn-0125 (55 heads) at 8 decode splits (the new MHA rule) against the 4 the
+  # short table allowed before, alternating
+  run timeout 150 python3 benchmarks/persistent_chain_bench.py --reps 10 --out "$OUT/persistent_chain.md"
+  for cfg in "" splits=4 ""; do
+    echo "== huginn-0125 RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 80 python3 -m rlt_compile.bench --model huginn-0125 --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
 fi
 exit 0
