@@ -439,7 +439,7 @@ if [[ $what == pending52 ]]; then
   # next: the GEMV-only decode chain as one persistent kernel with grid barriers (what a megakernel could
   # win, issue 4), then Huginn-0125 (55 heads) at 8 decode splits (the new MHA rule) against the 4 the
   # short table allowed before, alternating
-  run timeout 150 python3 benchmarks/persistent_chain_bench.py --reps 10 --out "$OUT/persistent_chain.md"
+  run timeout 150 python3 benchmarks/persistent_chain_bench.py --reps 10 --out "$OUT/persistent_chain.md"  # at 34ae338
   for cfg in "" splits=4 ""; do
     echo "== huginn-0125 RLT_ATTENTION_CONFIG=$cfg"
     RLT_ATTENTION_CONFIG=$cfg timeout 80 python3 -m rlt_compile.bench --model huginn-0125 --eager-steps 0 \
