@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending52|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending53|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -445,5 +445,14 @@ if [[ $what == pending52 ]]; then
     RLT_ATTENTION_CONFIG=$cfg timeout 80 python3 -m rlt_compile.bench --model huginn-0125 --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
+fi
+if [[ $what == pending53 ]]; then
+  # the norms run by the o / down GEMV's last program (linear_add_rmsnorm2_gemv: no norm kernel, no kernel
+  # boundary), GPU parity first, then the decode chain against the norm kernels, twice (issue 4)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv.py -k "norm_tail" 2>&1 | tail -3
+  run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,norm tail,no norm" \
+    --out "$OUT/chain_tail.md"
+  run timeout 80 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "norm tail,gemv default" \
+    --out "$OUT/chain_tail2.md"
 fi
 exit 0
