@@ -113,28 +113,13 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             h = linear(gu[:, : p["down"].shape[1]], p["down"])
             continue
         no_norms = variant.get("no_norms")  # what any norm fusion could win at most (wrong outputs)
-        tail = variant.get("norm_tail")  # the norms run by the o / down GEMV's last program
-        if not (tail and i):  # with the tail, only the first layer's comes as its own kernel
-            residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
+        residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
         qkv = linear(n, p["qkv"]).view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         if variant.get("no_attention"):  # what any attention change could win at most (wrong outputs)
             a = q
         else:
             a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
-        if tail:
-            residual, n = gemv_mod.linear_add_rmsnorm2_gemv(
-                a.reshape(1, -1), p["o"], residual, p["n1"], p["n2"], 1e-6, 1e-6
-            )
-            g = gemv_mod.linear_gemv(n, p["gu"], swiglu=True)
-            if i + 1 < len(layers):
-                nxt = layers[i + 1]
-                residual, n = gemv_mod.linear_add_rmsnorm2_gemv(
-                    g, p["down"], residual, nxt["n2"], nxt["n1"], 1e-6, 1e-6
-                )
-            else:
-                h = gemv_mod.linear_gemv(g, p["down"])
-            continue
         o = linear(a.reshape(1, heads * dim), p["o"])
         residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
@@ -159,7 +144,6 @@ def variant_candidates():
     for attention in ATTENTION_VARIANTS:
         name = " ".join(f"{key}={value}" for key, value in attention.items())
         yield f"swiglu epilogue, attention {name}", {"variant": {"swiglu": True, "attention": attention}}
-    yield "norm tail (the norms in the o / down GEMV's last program)", {"variant": {"swiglu": True, "norm_tail": True}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 

@@ -447,7 +447,7 @@ if [[ $what == pending52 ]]; then
   done
 fi
 if [[ $what == pending53 ]]; then
-  # the norms run by the o / down GEMV's last program (linear_add_rmsnorm2_gemv: no norm kernel, no kernel
+  # (at d1b40b3, removed after) the norms run by the o / down GEMV's last program (linear_add_rmsnorm2_gemv: no norm kernel, no kernel
   # boundary), GPU parity first, then the decode chain against the norm kernels, twice (issue 4)
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv.py -k "norm_tail" 2>&1 | tail -3
   run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "swiglu epilogue,norm tail,no norm" \

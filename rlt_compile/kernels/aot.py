@@ -359,7 +359,7 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
 def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
-    folded in; one row with the rotary epilogue, with the SwiGLU gate epilogue and with the norm tail, and the rotary and
+    folded in; one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
     gating kernels for more rows. Prefill
     linears run ``F.linear``."""
     if mode == "prefill":
@@ -376,11 +376,6 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     rope = gemv.RopeColumns(cos, cos, 0, workload.hidden // workload.head_dim * workload.head_dim, workload.head_dim)
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, rope=rope)
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, swiglu=True)
-    row, norm = (
-        torch.empty(1, workload.hidden, dtype=dtype, device="meta"),
-        torch.empty(workload.hidden, dtype=dtype, device="meta"),
-    )
-    gemv.linear_add_rmsnorm2_gemv(row, weight, row, norm, norm, 1e-6, 1e-6)  # the norm tail (chain bench)
     gemv.silu_gate_triton(torch.empty(8, 2 * workload.hidden, dtype=dtype, device="meta"))  # fuse_swiglu_gemv
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)

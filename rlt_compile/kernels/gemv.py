@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from rlt_compile.kernels.reference import apply_rope_half
-from rlt_compile.kernels.rmsnorm import add_rmsnorm2_row
 from rlt_compile.kernels.triton_attention import (
     _interpret,
     _interpreter_scope,
@@ -42,10 +41,8 @@ from rlt_compile.kernels.triton_attention import (
 
 __all__ = [
     "MAX_ROWS",
-    "NormTail",
     "RopeColumns",
     "gemv_config",
-    "linear_add_rmsnorm2_gemv",
     "linear_gemv",
     "linear_small",
     "rope_columns_reference",
@@ -82,14 +79,6 @@ def _gemv_kernel(
     rope_lo,
     rope_hi,
     swiglu_half,
-    counter_ptr,  # NORM_TAIL: an int32 arrival counter, then add_rmsnorm2's residual, weights a / b, h, out
-    res_ptr,
-    wa_ptr,
-    wb_ptr,
-    h_ptr,
-    out_ptr,
-    eps_a,
-    eps_b,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -98,7 +87,6 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     ROPE_HALF: tl.constexpr,
     SWIGLU: tl.constexpr,
-    NORM_TAIL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
@@ -152,23 +140,9 @@ def _gemv_kernel(
             tl.store(y_ptr + offs_y, _silu_gate(gate, up), mask=offs_y < swiglu_half)
         else:
             tl.store(y_ptr + offs_n, out, mask=mask_n)
-        if NORM_TAIL > 0:
-            _norm_tail(y_ptr, counter_ptr, res_ptr, wa_ptr, wb_ptr, h_ptr, out_ptr, N, eps_a, eps_b, NORM_TAIL)
     else:
         y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _norm_tail(y_ptr, counter_ptr, res_ptr, wa_ptr, wb_ptr, h_ptr, out_ptr, N, eps_a, eps_b, CHUNK: tl.constexpr):
-    """The last program to finish runs ``add_rmsnorm2`` on the whole output row, ``CHUNK`` columns at
-    a time: it counts the finished programs (the barrier orders every thread's stores before the
-    release), so the row it reads is complete, and resets the counter for the next launch."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        add_rmsnorm2_row(y_ptr, res_ptr, wa_ptr, wb_ptr, h_ptr, out_ptr, N, eps_a, eps_b, CHUNK)
 
 
 @triton.jit
@@ -402,14 +376,12 @@ def linear_gemv(
     silu_mul: bool = False,
     rope: RopeColumns | None = None,
     swiglu: bool = False,
-    tail: NormTail | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` through the Triton GEMV (``x``: ``[..., K]`` with at most ``MAX_ROWS`` rows);
     with ``silu_mul``, ``(silu(gate) * up) @ weight.T`` for ``gate, up = x.chunk(2, -1)``; with
     ``rope`` (one row only), the output columns ``[lo, hi)`` rotated as heads of ``head_dim``; with
     ``swiglu`` (one row only, ``weight`` a gate/up pair ``[2I, K]``, gate rows first), ``silu(gate) *
-    up`` of the two halves of the output, ``[..., I]``; with ``tail`` (one row only), its norms of the
-    output row as well (``linear_add_rmsnorm2_gemv``)."""
+    up`` of the two halves of the output, ``[..., I]``."""
     if rope is not None and not supports_rope(x, weight, rope):
         raise ValueError(
             f"linear_gemv with rope needs one row, a column range [lo, hi) of whole heads inside the output "
@@ -441,9 +413,6 @@ def linear_gemv(
         )
     n_out = n // 2 if swiglu else n
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    if tail is not None and (use_dot or rope is not None or swiglu or silu_mul):
-        raise ValueError(f"linear_gemv with a norm tail needs one row without the tl.dot tile; got {cfg}")
-    tail_args = tail.args(y) if tail is not None else (y,) * 6 + (0.0, 0.0)
     interpret = _interpret(x)
     pdl = _use_pdl(x)
     with _interpreter_scope(interpret):
@@ -463,7 +432,6 @@ def linear_gemv(
             rope.lo if rope is not None else 0,
             rope.hi if rope is not None else 0,
             n_out,
-            *tail_args,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1,
             BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"],
@@ -472,79 +440,12 @@ def linear_gemv(
             USE_DOT=use_dot,
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             SWIGLU=swiglu,
-            NORM_TAIL=min(512, triton.next_power_of_2(n)) if tail is not None else 0,  # the tail's chunk
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
             **_pdl_launch_options(pdl),
         )
     return y.reshape(*x.shape[:-1], n_out)
-
-
-@dataclass
-class NormTail:
-    """What ``linear_gemv``'s last program does after the product: ``add_rmsnorm2`` of the output
-    row, writing ``h = residual + rmsnorm_a(y)`` and ``out = rmsnorm_b(h)``."""
-
-    residual: torch.Tensor
-    weight_a: torch.Tensor
-    weight_b: torch.Tensor
-    eps_a: float
-    eps_b: float
-    h: torch.Tensor
-    out: torch.Tensor
-
-    def args(self, y: torch.Tensor) -> tuple:
-        return (
-            _tail_counter(y.device),
-            self.residual,
-            self.weight_a,
-            self.weight_b,
-            self.h,
-            self.out,
-            float(self.eps_a),
-            float(self.eps_b),
-        )
-
-
-_TAIL_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tail_counter(device: torch.device) -> torch.Tensor:
-    """The norm tail's arrival counter on ``device`` (every launch leaves it at zero; launches of one
-    stream never count at once: a kernel's programs pass their PDL wait only once the previous grid
-    has finished)."""
-    counter = _TAIL_COUNTERS.get(device)
-    if counter is None:
-        counter = _TAIL_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
-def linear_add_rmsnorm2_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    weight_a: torch.Tensor,
-    weight_b: torch.Tensor,
-    eps_a: float,
-    eps_b: float,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rmsnorm2(x @ weight.T, residual, weight_a, weight_b, eps_a, eps_b)`` for one row:
-    returns ``(h, out)`` with ``h = residual + rmsnorm_a(y)``, ``out = rmsnorm_b(h)``. The GEMV's
-    last program to finish runs the norms, so no norm kernel (and no kernel boundary) follows the
-    GEMV (an experiment of ``benchmarks/gemv_chain_bench.py``; no pass uses it yet)."""
-    n = weight.shape[0]
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows != 1 or residual.numel() != n or weight_a.shape != (n,) or weight_b.shape != (n,):
-        raise ValueError(
-            f"linear_add_rmsnorm2_gemv needs one row, a residual of the {n} outputs and norm weights [{n}]; got x "
-            f"{tuple(x.shape)}, residual {tuple(residual.shape)}, weights {tuple(weight_a.shape)} {tuple(weight_b.shape)}"
-        )
-    h, out = torch.empty_like(residual), torch.empty_like(residual)
-    residual, weight_a, weight_b = residual.contiguous(), weight_a.contiguous(), weight_b.contiguous()
-    linear_gemv(x, weight, config, tail=NormTail(residual, weight_a, weight_b, eps_a, eps_b, h, out))
-    return h, out
 
 
 def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:

@@ -66,51 +66,6 @@ _NO_RESIDUAL, _ADD_BEFORE_NORM, _ADD_AFTER_NORM = 0, 1, 2
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def rms_scale(v, w, n_cols, eps):
-    """``w * rmsnorm(v)`` over one row ``v`` (fp32 ``w``)."""
-    xf = v.to(tl.float32)
-    return _normed(v, w, tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps))
-
-
-@triton.jit
-def _normed(v, w, rstd):
-    """``w * v * rstd`` rounded like the models' eager norm: the normalised row in ``v``'s dtype
-    first, then the product, rounded once."""
-    return (w * (v.to(tl.float32) * rstd).to(v.dtype).to(tl.float32)).to(v.dtype)
-
-
-@triton.jit
-def add_rmsnorm2_row(
-    y_ptr, res_ptr, wa_ptr, wb_ptr, h_ptr, out_ptr, n_cols, eps_a, eps_b, CHUNK: tl.constexpr
-):  # fmt: skip
-    """One row of ``add_rmsnorm2`` (``h = r + norm_a(y)``, ``out = norm_b(h)``) in ``CHUNK``-wide
-    passes, for a kernel that ends with it (the GEMV's norm tail) and must not hold the whole row in
-    registers: the sums of squares accumulate per chunk (another summation order than the norm
-    kernel's), and the last pass re-reads ``h`` from the addresses this thread stored."""
-    offs = tl.arange(0, CHUNK)
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, n_cols, CHUNK):
-        v = tl.load(y_ptr + start + offs, mask=start + offs < n_cols, other=0.0).to(tl.float32)
-        acc += v * v
-    rstd_a = tl.math.rsqrt(tl.sum(acc, axis=0) / n_cols + eps_a)
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, n_cols, CHUNK):
-        mask = start + offs < n_cols
-        v = tl.load(y_ptr + start + offs, mask=mask, other=0.0)
-        r = tl.load(res_ptr + start + offs, mask=mask, other=0.0)
-        w_a = tl.load(wa_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (r.to(tl.float32) + _normed(v, w_a, rstd_a).to(tl.float32)).to(v.dtype)
-        tl.store(h_ptr + start + offs, h, mask=mask)
-        acc += h.to(tl.float32) * h.to(tl.float32)
-    rstd_b = tl.math.rsqrt(tl.sum(acc, axis=0) / n_cols + eps_b)
-    for start in range(0, n_cols, CHUNK):
-        mask = start + offs < n_cols
-        h = tl.load(h_ptr + start + offs, mask=mask, other=0.0)
-        w_b = tl.load(wb_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + start + offs, _normed(h, w_b, rstd_b), mask=mask)
-
-
 def _fused_rmsnorm_kernel(
     y_ptr,
     res_ptr,
@@ -153,13 +108,17 @@ def _fused_rmsnorm_kernel(
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     if NORM_A:
-        v = rms_scale(v, w_a, n_cols, eps_a)
+        xf = v.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_a)
+        v = (w_a * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
     if RESIDUAL == 2:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     tl.store(h_ptr + row * stride_h + offs, v, mask=mask)
     if NORM_B:
-        tl.store(out_ptr + row * stride_o + offs, rms_scale(v, w_b, n_cols, eps_b), mask=mask)
+        xf = v.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_b)
+        tl.store(out_ptr + row * stride_o + offs, (w_b * (xf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
