@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending53|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending54|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -454,5 +454,12 @@ if [[ $what == pending53 ]]; then
     --out "$OUT/chain_tail.md"
   run timeout 80 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "norm tail,gemv default" \
     --out "$OUT/chain_tail2.md"
+fi
+if [[ $what == pending54 ]]; then
+  # GQA decode with smaller key tiles and deeper cp.async pipelines (issue 3: Nanbeige batch 32 at 1k, 62% of
+  # copy bandwidth; sm_90 offline: 64-key tiles 122 registers -> 4 programs/SM, 32-key 88 -> 5, 16-key 84 -> 6)
+  run timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige --cases 1x1024,32x1024,128x1024 \
+    --extra "block_n=32,stages=3;block_n=32,stages=4;block_n=16,stages=4;block_n=16,stages=6;block_n=32,stages=4,fuse_reduce=1;block_n=32,stages=4,splits=4" \
+    --out "$OUT/sweep_pipeline.md"
 fi
 exit 0
