@@ -20,7 +20,8 @@ speedup over eager, compile time (first compiled call) and graph-capture time.
 
 ``--device cpu --tiny`` runs the same code on tiny configs without graphs (a smoke test). ``--table N``
 sizes the block table for N positions, as an engine's is for its max model length (the default
-describes just the context and the decoded tokens); the decode attention's split count follows it.
+describes just the context and the decoded tokens); the GQA decode attention's split count follows
+it (MHA's does not: its empty splits cost nothing).
 
 ``--engine-profile`` profiles the serving engine instead (``LLMEngine``, compiled + CUDA graphs on
 the GPU): decode at ``--batches`` (1, 32, 128) with synchronous and asynchronous scheduling on one
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="positions the block table describes (default: the context and the decoded tokens; an engine's "
-        "tables describe its max model length, which sets the decode attention's split count)",
+        "tables describe its max model length, which sets the GQA decode attention's split count)",
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mode", default=None, help="Inductor mode (default | max-autotune-no-cudagraphs)")
