@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending54|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending55|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -461,5 +461,20 @@ if [[ $what == pending54 ]]; then
   run timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige --cases 1x1024,32x1024,128x1024 \
     --extra "block_n=32,stages=3;block_n=32,stages=4;block_n=16,stages=4;block_n=16,stages=6;block_n=32,stages=4,fuse_reduce=1;block_n=32,stages=4,splits=4" \
     --out "$OUT/sweep_pipeline.md"
+fi
+if [[ $what == pending55 ]]; then
+  # next (prepared in session 16): (a) where the GQA decode kernel stalls, per SASS instruction (Nanbeige batch 32
+  # at 1k, 62% of copy bandwidth; issue 3); (b) what 32 mostly-empty decode splits change against 4 in Ouro-1.4B's
+  # token (the critical-path shares of --profile; issue 4)
+  timeout 200 ncu --kernel-name regex:_paged_attention_decode_kernel --launch-skip 2 --launch-count 1 --set full \
+    --import-source yes -o "$OUT/nb32" python3 benchmarks/attention_case.py --model Nanbeige --batch 32 --ctx 1024 \
+    > "$OUT/ncu_nb32.txt" 2>&1; echo "== ncu rc=$?"
+  ncu --import "$OUT/nb32.ncu-rep" --page source --csv --print-source sass > "$OUT/nb32_sass.csv" 2>&1
+  echo "== sass rows $(wc -l < "$OUT/nb32_sass.csv")"; head -3 "$OUT/nb32_sass.csv" | cut -c1-400
+  for cfg in "" splits=4; do
+    echo "== ouro-1.4b RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 --profile --profile-top 30 --out "$OUT/ouro_profile_${cfg:-default}.md" 2>&1 | tail -45
+  done
 fi
 exit 0
