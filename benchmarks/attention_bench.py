@@ -285,7 +285,7 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
 
 def sweep_rows(device, dtype, batches, contexts):
     """Per decode case: every candidate config's time (whole op: KV write + attention) and error."""
-    num_sms = ta._sm_count(device)
+    num_sms = ta.sm_count(device)
     rows, detail = [], []
     for name, (heads, kv_heads, dim) in MODELS.items():
         for ctx in contexts:

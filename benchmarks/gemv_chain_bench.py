@@ -31,15 +31,9 @@ import triton.language as tl
 
 from rlt_compile.kernels import gemv as gemv_mod
 from rlt_compile.kernels import rmsnorm as rmsnorm_mod
+from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
 from rlt_compile.kernels.rmsnorm import add_rmsnorm2_triton
-from rlt_compile.kernels.triton_attention import (
-    _interpret,
-    _interpreter_scope,
-    _kernel,
-    _pdl_launch_options,
-    _use_pdl,
-    attention_forward,
-)
+from rlt_compile.kernels.triton_attention import attention_forward
 
 
 def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
@@ -58,11 +52,11 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr, USE_PDL: tl.conste
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     n = gu.shape[-1] // 2
     out = torch.empty((*gu.shape[:-1], n), dtype=gu.dtype, device=gu.device)
-    interpret = _interpret(gu)
-    pdl = _use_pdl(gu)
-    with _interpreter_scope(interpret):
-        _kernel(_silu_mul_kernel, interpret)[(triton.cdiv(n, 1024),)](
-            gu, out, n, BLOCK=1024, USE_PDL=pdl, **_pdl_launch_options(pdl)
+    interpret = is_interpreted(gu)
+    pdl = pdl_mode(gu)
+    with interpreter_scope(interpret):
+        kernel_for(_silu_mul_kernel, interpret)[(triton.cdiv(n, 1024),)](
+            gu, out, n, BLOCK=1024, USE_PDL=pdl, **pdl_launch_options(pdl)
         )
     return out
 

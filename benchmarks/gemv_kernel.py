@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlt_compile.kernels.triton_attention import _interpret, _interpreter_scope, _kernel
+from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for
 
 _NONE, _RMSNORM, _SILU_MUL = 0, 1, 2
 
@@ -88,7 +88,7 @@ def _gemv_kernel(
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -97,7 +97,7 @@ def gemv_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> dic
     a long ``BLOCK_K`` run per load (deep enough in flight to saturate HBM)."""
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         return {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < sms:
         block_n //= 2
@@ -116,11 +116,11 @@ def _launch(x2, weight, prologue: int, norm_weight=None, eps: float = 0.0, k=Non
         return y
     cfg = dict(config or gemv_config(n, k, weight.dtype, x2.device))
     block_m = max(16, triton.next_power_of_2(m))
-    interpret = _interpret(x2)
+    interpret = is_interpreted(x2)
     precision = "ieee"
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-    with _interpreter_scope(interpret):
-        _kernel(_gemv_kernel, interpret)[grid](
+    with interpreter_scope(interpret):
+        kernel_for(_gemv_kernel, interpret)[grid](
             x2,
             weight,
             y,

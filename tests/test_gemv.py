@@ -41,7 +41,7 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
 def test_one_row_tiles_follow_the_weight_row_length(monkeypatch):
     """2-column programs; 1024-long runs of the weight row, 2048-long from rows of 4096 on unless
     that splits a grid resident at once (16 programs per SM) into two waves (10 per SM)."""
-    monkeypatch.setattr(gemv, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(gemv, "sm_count", lambda device: 132)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     cases = [
         (2048, 2048, 1024),

@@ -25,7 +25,7 @@ import torch
 
 from rlt_compile import envs, platform
 from rlt_compile.compiler import PDL_PATCH, compile_model, inductor_patches
-from rlt_compile.kernels import aot, gemv, prefill_tma, rmsnorm, triton_attention
+from rlt_compile.kernels import aot, gemv, launch, prefill_tma, rmsnorm, triton_attention
 from rlt_compile.platform import Platform, pdl_enabled
 
 CUDA = torch.cuda.is_available()
@@ -147,7 +147,7 @@ def test_launch_pdl_is_a_launch_option_of_this_triton():
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    jit = triton_attention._kernel(triton_attention._split_reduce_kernel, False)
+    jit = triton_attention.kernel_for(triton_attention._split_reduce_kernel, False)
     args = [torch.empty(8, device="meta")] * 4 + [1, 128] + [16] * 8
     for target, want in ((GPUTarget("cuda", 90, 32), True), (GPUTarget("hip", "gfx942", 64), None)):
         backend = make_backend(target)
@@ -298,10 +298,10 @@ def _launches(pdl: bool | None, workloads=aot.WORKLOADS[:1], dtypes=(torch.float
 
 @contextlib.contextmanager
 def _forced_pdl(pdl: int):
-    """Every launcher module's ``_use_pdl`` answering ``pdl``."""
+    """Every launcher module's ``pdl_mode`` answering ``pdl``."""
     with contextlib.ExitStack() as stack:
         for module in (triton_attention, rmsnorm, gemv, prefill_tma):
-            stack.enter_context(mock.patch.object(module, "_use_pdl", lambda t: pdl))
+            stack.enter_context(mock.patch.object(module, "pdl_mode", lambda t: pdl))
         yield
 
 
@@ -321,8 +321,8 @@ def test_meta_and_cpu_tensors_never_use_pdl(monkeypatch, triton_pdl):
     monkeypatch.setenv("RLT_PDL", "1")
     monkeypatch.setattr(platform, "current_platform", lambda: Platform.mock("cuda"))
     assert pdl_enabled()
-    assert not triton_attention._use_pdl(torch.empty(1, device="meta"))
-    assert not triton_attention._use_pdl(torch.empty(1))
+    assert not triton_attention.pdl_mode(torch.empty(1, device="meta"))
+    assert not triton_attention.pdl_mode(torch.empty(1))
     for launch in _launches(None):
         assert launch.kwargs["USE_PDL"] == 0 and "launch_pdl" not in launch.kwargs, launch.kernel
 
@@ -333,14 +333,14 @@ def test_use_pdl_follows_pdl_enabled_for_cuda_tensors(monkeypatch):
 
     monkeypatch.setattr(platform, "pdl_enabled", lambda p=None: True)
     monkeypatch.delenv("RLT_PDL_TRIGGER", raising=False)
-    assert triton_attention._use_pdl(FakeCuda()) == 2  # the trigger first by default
+    assert triton_attention.pdl_mode(FakeCuda()) == 2  # the trigger first by default
     monkeypatch.setenv("RLT_PDL_TRIGGER", "wait")
-    assert triton_attention._use_pdl(FakeCuda()) == 1
+    assert triton_attention.pdl_mode(FakeCuda()) == 1
     monkeypatch.setenv("RLT_PDL_TRIGGER", "sometimes")
     with pytest.raises(ValueError, match="RLT_PDL_TRIGGER"):
-        triton_attention._use_pdl(FakeCuda())
+        triton_attention.pdl_mode(FakeCuda())
     monkeypatch.setattr(platform, "pdl_enabled", lambda p=None: False)
-    assert triton_attention._use_pdl(FakeCuda()) == 0
+    assert triton_attention.pdl_mode(FakeCuda()) == 0
 
 
 def _first(lines: list[str], pred) -> int:
@@ -420,7 +420,7 @@ needs_pdl = pytest.mark.skipif(
 
 def _compiled_pdl_kernels(fn) -> list:
     """The compiled GPU variants of one of our kernels that were built with ``launch_pdl``."""
-    jit = triton_attention._KERNELS.get((fn.__name__, False))
+    jit = launch._KERNELS.get((fn.__name__, False))
     if jit is None:
         return []
     kernels = [k for entry in getattr(jit, "device_caches", {}).values() for k in entry[0].values()]

@@ -374,11 +374,11 @@ def test_decode_config_overrides(heads, config):
 
 
 def _launched_kernels(monkeypatch) -> list[str]:
-    """Names of the kernels the launchers run from now on (``triton_attention._kernel`` spied)."""
+    """Names of the kernels the launchers run from now on (``triton_attention.kernel_for`` spied)."""
     names: list[str] = []
-    real = triton_attention._kernel
+    real = triton_attention.kernel_for
     monkeypatch.setattr(
-        triton_attention, "_kernel", lambda fn, interpret: names.append(fn.__name__) or real(fn, interpret)
+        triton_attention, "kernel_for", lambda fn, interpret: names.append(fn.__name__) or real(fn, interpret)
     )
     return names
 
@@ -426,7 +426,7 @@ def test_decode_write_is_fused_while_the_programs_fit_two_waves(monkeypatch, sms
     """4 sequence rows (one padding) x 2 KV heads = 8 (sequence, KV head) programs: the write is fused
     into the decode kernel up to two waves (8 <= 2 x 4 SMs), else the write kernel runs first."""
     case = make_case([1] * 3, [20, 33, 7], 8, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1, seed=26)
-    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(triton_attention, "sm_count", lambda device: sms)
     launched = _launched_kernels(monkeypatch)
     check_attention(case, None, fused=True)
     assert ("_kv_write_kernel" in launched) != fused_write
@@ -872,7 +872,7 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append(kwargs.get("NUM_SPLITS"))
 
-    monkeypatch.setattr(triton_attention, "_kernel", lambda fn, interpret: Recorder())
+    monkeypatch.setattr(triton_attention, "kernel_for", lambda fn, interpret: Recorder())
     table_blocks = md.block_tables.shape[1]  # = key tiles: the interpreter's are one 16-position block
     attention_forward(q, k, v, cache, md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
     assert choose_decode_splits(8, 4, table_blocks, 16, 16, 64, cap_to_table=False) > table_blocks

@@ -1,5 +1,5 @@
 """Kernels: the attention custom ops, their torch references and the Triton paged kernels; the fused
-residual-add + RMSNorm ops (``rmsnorm.py``)."""
+residual-add + RMSNorm ops (``rmsnorm.py``); how every Triton kernel here is launched (``launch.py``)."""
 
 from rlt_compile.kernels import (
     ops,  # noqa: F401  (registers torch.ops.rlt.*)

@@ -248,7 +248,7 @@ def _recording(records: list, label: str):
 @contextlib.contextmanager
 def _as_target(p: Platform):
     """While the launchers run, answer device questions as the target would: ``current_platform()``
-    is ``p`` and the kernel module's SM count (``_sm_count``, which sizes split-K) is ``p.num_sms``;
+    is ``p`` and the kernel module's SM count (``sm_count``, which sizes split-K) is ``p.num_sms``;
     on ``meta`` tensors it would otherwise be a CPU default."""
     from rlt_compile.kernels import triton_attention
 
@@ -257,8 +257,8 @@ def _as_target(p: Platform):
 
     current.cache_clear = lambda: None  # type: ignore[attr-defined]
     patches = [(_platform, "current_platform", current)]
-    if p.num_sms and hasattr(triton_attention, "_sm_count"):
-        patches.append((triton_attention, "_sm_count", lambda device: p.num_sms))
+    if p.num_sms and hasattr(triton_attention, "sm_count"):
+        patches.append((triton_attention, "sm_count", lambda device: p.num_sms))
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)

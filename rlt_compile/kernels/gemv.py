@@ -29,15 +29,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlt_compile.kernels.reference import apply_rope_half
-from rlt_compile.kernels.triton_attention import (
-    _interpret,
-    _interpreter_scope,
-    _kernel,
-    _pdl_launch_options,
-    _sm_count,
-    _use_pdl,
+from rlt_compile.kernels.launch import (
+    interpreter_scope,
+    is_interpreted,
+    kernel_for,
+    pdl_launch_options,
+    pdl_mode,
+    sm_count,
 )
+from rlt_compile.kernels.reference import apply_rope_half
 
 __all__ = [
     "MAX_ROWS",
@@ -285,7 +285,7 @@ def _long_runs_add_a_wave(programs: int, device: torch.device) -> bool:
     second wave with 2048-long ones. Long runs read twice the weights per program before its PDL
     wait and keep more bytes in flight; they lost only where they split a single wave (Nanbeige's
     o and down projections, 1536 programs: 0.95x; docs/benchmarks.md, session 13)."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     return _PROGRAMS_PER_SM_LONG * sms < programs <= _PROGRAMS_PER_SM_SHORT * sms
 
 
@@ -332,11 +332,11 @@ def rope_columns_triton(y: torch.Tensor, rope: RopeColumns) -> torch.Tensor:
     half = rope.head_dim // 2
     n_pairs = (rope.hi - rope.lo) // 2
     block = min(1024, triton.next_power_of_2(max(n_pairs, 1)))
-    interpret = _interpret(y)
-    pdl = _use_pdl(y)
+    interpret = is_interpreted(y)
+    pdl = pdl_mode(y)
     cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
-    with _interpreter_scope(interpret):
-        _kernel(_rope_columns_kernel, interpret)[(rows, triton.cdiv(n_pairs, block))](
+    with interpreter_scope(interpret):
+        kernel_for(_rope_columns_kernel, interpret)[(rows, triton.cdiv(n_pairs, block))](
             y,
             cos,
             sin,
@@ -348,7 +348,7 @@ def rope_columns_triton(y: torch.Tensor, rope: RopeColumns) -> torch.Tensor:
             BLOCK=block,
             USE_PDL=pdl,
             num_warps=4,
-            **_pdl_launch_options(pdl),
+            **pdl_launch_options(pdl),
         )
     return y
 
@@ -413,10 +413,10 @@ def linear_gemv(
         )
     n_out = n // 2 if swiglu else n
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    interpret = _interpret(x)
-    pdl = _use_pdl(x)
-    with _interpreter_scope(interpret):
-        _kernel(_gemv_kernel, interpret)[(triton.cdiv(n, cfg["block_n"]),)](
+    interpret = is_interpreted(x)
+    pdl = pdl_mode(x)
+    with interpreter_scope(interpret):
+        kernel_for(_gemv_kernel, interpret)[(triton.cdiv(n, cfg["block_n"]),)](
             x2,
             weight,
             y,
@@ -443,7 +443,7 @@ def linear_gemv(
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
-            **_pdl_launch_options(pdl),
+            **pdl_launch_options(pdl),
         )
     return y.reshape(*x.shape[:-1], n_out)
 
@@ -454,10 +454,10 @@ def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:
     rows, half = y.shape[0], y.shape[1] // 2
     out = y.new_empty((rows, half))
     block = min(1024, triton.next_power_of_2(max(half, 1)))
-    interpret = _interpret(y)
-    pdl = _use_pdl(y)
-    with _interpreter_scope(interpret):
-        _kernel(_silu_gate_kernel, interpret)[(rows, triton.cdiv(half, block))](
+    interpret = is_interpreted(y)
+    pdl = pdl_mode(y)
+    with interpreter_scope(interpret):
+        kernel_for(_silu_gate_kernel, interpret)[(rows, triton.cdiv(half, block))](
             y,
             out,
             y.stride(0),
@@ -466,7 +466,7 @@ def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:
             BLOCK=block,
             USE_PDL=pdl,
             num_warps=4,
-            **_pdl_launch_options(pdl),
+            **pdl_launch_options(pdl),
         )
     return out
 

@@ -35,16 +35,8 @@ import triton
 import triton.language as tl
 
 from rlt_compile import platform as _platform
-from rlt_compile.kernels.triton_attention import (
-    _LOG2E,
-    _block_ids,
-    _interpret,
-    _interpreter_scope,
-    _kernel,
-    _pdl_launch_options,
-    _program_sequence,
-    _use_pdl,
-)
+from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
+from rlt_compile.kernels.triton_attention import _LOG2E, _block_ids, _program_sequence
 
 __all__ = ["MIN_AVERAGE_QUERY", "prefill_tma_attention", "prefill_tma_config", "uses_prefill_tma"]
 
@@ -240,7 +232,7 @@ def prefill_tma_attention(
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"k/v must be [T, Hkv, D] = {(num_tokens, num_kv_heads, head_dim)}, got {tuple(k.shape)}")
     num_seqs = seq_lens.shape[0]
-    interpret = _interpret(q)
+    interpret = is_interpreted(q)
     cfg = prefill_tma_config(interpret, kv_cache.dtype, config or {})
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"q and kv_cache need a unit stride over the head dim, got {q.stride()} / {kv_cache.stride()}")
@@ -253,11 +245,11 @@ def prefill_tma_attention(
     out = torch.empty_like(q)
     if kv_cache.dtype != torch.float32:
         precision = "ieee"
-    pdl = _use_pdl(q)
+    pdl = pdl_mode(q)
     k_cache = kv_cache[0]
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
-    with _interpreter_scope(interpret):
-        _kernel(_prefill_tma_kernel, interpret)[grid](
+    with interpreter_scope(interpret):
+        kernel_for(_prefill_tma_kernel, interpret)[grid](
             q,
             k_desc,
             v_desc,
@@ -290,6 +282,6 @@ def prefill_tma_attention(
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
-            **_pdl_launch_options(pdl),
+            **pdl_launch_options(pdl),
         )
     return out

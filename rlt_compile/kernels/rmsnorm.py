@@ -38,13 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlt_compile.kernels.triton_attention import (
-    _interpret,
-    _interpreter_scope,
-    _kernel,
-    _pdl_launch_options,
-    _use_pdl,
-)
+from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
 
 __all__ = [
     "add_rmsnorm2_reference",
@@ -165,10 +159,10 @@ def _launch(
     wa = weight_a.contiguous() if weight_a is not None else y2
     wb = weight_b.contiguous() if weight_b is not None else y2
     block = triton.next_power_of_2(n)
-    interpret = _interpret(y)
-    pdl = _use_pdl(y)
-    with _interpreter_scope(interpret):
-        _kernel(_fused_rmsnorm_kernel, interpret)[(y2.shape[0],)](
+    interpret = is_interpreted(y)
+    pdl = pdl_mode(y)
+    with interpreter_scope(interpret):
+        kernel_for(_fused_rmsnorm_kernel, interpret)[(y2.shape[0],)](
             y2,
             r2,
             wa,
@@ -189,7 +183,7 @@ def _launch(
             USE_PDL=pdl,
             num_warps=_num_warps(block),
             enable_fp_fusion=False,  # no FMA across the product and the residual add (fp32: eager rounds both)
-            **_pdl_launch_options(pdl),
+            **pdl_launch_options(pdl),
         )
     return h, out
 

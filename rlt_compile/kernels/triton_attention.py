@@ -57,16 +57,12 @@ launchers can run inside CUDA/HIP graph capture. Head dims that are not a power 
 uses 96) are padded to the next power of two with masks. ``PRECISION`` is the ``tl.dot``
 ``input_precision`` ("ieee" or "tf32"); it only matters for fp32 caches.
 
-On CPU tensors the kernels run in Triton's interpreter (bf16 is not exact there; use fp32/fp16).
-Kernels are wrapped lazily per mode, so importing this module before ``TRITON_INTERPRET=1`` is set
-does not break CPU runs.
+On CPU tensors the kernels run in Triton's interpreter (bf16 is not exact there; use fp32/fp16);
+``launch.py`` wraps them per mode and picks the PDL mode of each launch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
 from collections.abc import Callable
 
 import torch
@@ -75,6 +71,14 @@ import triton.language as tl
 
 from rlt_compile import envs
 from rlt_compile import platform as _platform
+from rlt_compile.kernels.launch import (
+    interpreter_scope,
+    is_interpreted,
+    kernel_for,
+    pdl_launch_options,
+    pdl_mode,
+    sm_count,
+)
 
 __all__ = [
     "CONFIG_KEYS",
@@ -91,7 +95,6 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _PRECISIONS = ("ieee", "tf32")
 _MAX_SPLITS = 64
-_INTERPRETER_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,96 +714,6 @@ def _split_reduce_kernel(
     )
 
 
-_KERNELS: dict[tuple[str, bool], object] = {}
-
-
-def _kernel(fn, interpret: bool):
-    """The kernel ``fn`` compiled for the GPU, or wrapped for Triton's CPU interpreter."""
-    key = (fn.__name__, interpret)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            kernel = InterpretedFunction(fn)
-        else:
-            from triton.runtime.jit import JITFunction
-
-            kernel = JITFunction(fn)
-        _KERNELS[key] = kernel
-    return kernel
-
-
-def _interpret(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
-def _use_pdl(t: torch.Tensor) -> int:
-    """A launch's ``USE_PDL``: 0 without Programmatic Dependent Launch, 2 with it and the trigger
-    first (``RLT_PDL_TRIGGER=early``, the default), 1 with it and the trigger after the kernel's
-    ``gdc_wait`` (``RLT_PDL_TRIGGER=wait``). PDL only for CUDA tensors (never the interpreter's CPU tensors or the
-    ``meta`` tensors ``aot.py`` records launches with) and when ``platform.pdl_enabled()``
-    (``RLT_PDL``, ``Platform.supports_pdl``; environment reads, the rest cached). No device query: it
-    runs at every launch, inside CUDA-graph capture too."""
-    if not (t.is_cuda and _platform.pdl_enabled()):
-        return 0
-    return 2 if envs.rlt_pdl_trigger() == "early" else 1
-
-
-_PDL_OPTIONS: dict[int, dict] = {0: {}, 1: {"launch_pdl": True}, 2: {"launch_pdl": True}}
-
-
-def _pdl_launch_options(pdl: int) -> dict:
-    """The launch keyword of PDL: ``launch_pdl=True`` when on, nothing otherwise. Never
-    ``launch_pdl=False``: Triton rejects launch keywords its backend does not know
-    ("Keyword argument launch_pdl was specified but unrecognised"), and ROCm's ``HIPOptions`` (and
-    older NVIDIA backends) have no ``launch_pdl``."""
-    return _PDL_OPTIONS[pdl]
-
-
-@contextlib.contextmanager
-def _interpreter_scope(interpret: bool):
-    """Let interpreted kernels call triton's own library functions (``tl.sum``, ``tl.max``,
-    ``tl.cdiv``...) even when triton was imported before ``TRITON_INTERPRET=1`` was set: those are
-    then ``JITFunction``s, which refuse to be called outside a compiled kernel. For the duration of
-    an interpreted launch they run through the interpreter like the kernel itself."""
-    from triton.runtime.jit import JITFunction
-
-    if not interpret or not isinstance(tl.sum, JITFunction):
-        yield
-        return
-    from triton.runtime.interpreter import InterpretedFunction
-
-    try:  # InterpretedFunction.__call__ (a device-function call) patches triton.language and never
-        # restores it, which breaks later real compiles in the same process; restore it ourselves.
-        from triton.runtime.interpreter import _patch_lang
-    except ImportError:  # pragma: no cover - other triton versions
-        _patch_lang = None
-
-    original = JITFunction.__call__
-    wrapped: dict[int, InterpretedFunction] = {}
-
-    def call(self, *args, **kwargs):
-        fn = wrapped.get(id(self))
-        if fn is None:
-            fn = wrapped[id(self)] = InterpretedFunction(self.fn)
-        if _patch_lang is None or not hasattr(fn, "rewrite"):
-            return fn(*args, **kwargs)
-        scope = _patch_lang(fn.fn)
-        try:
-            return fn.rewrite()(*args, **kwargs)
-        finally:
-            if hasattr(scope, "restore"):
-                scope.restore()
-
-    with _INTERPRETER_LOCK:
-        JITFunction.__call__ = call
-        try:
-            yield
-        finally:
-            JITFunction.__call__ = original
-
-
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -814,10 +727,10 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    interpret = _interpret(k)
-    pdl = _use_pdl(k)
-    with _interpreter_scope(interpret):
-        _kernel(_kv_write_kernel, interpret)[(num_tokens,)](
+    interpret = is_interpreted(k)
+    pdl = pdl_mode(k)
+    with interpreter_scope(interpret):
+        kernel_for(_kv_write_kernel, interpret)[(num_tokens,)](
             k,
             v,
             k_cache,
@@ -833,19 +746,8 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
             BLOCK_D=triton.next_power_of_2(head_dim),
             USE_PDL=pdl,
             num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
-            **_pdl_launch_options(pdl),
+            **pdl_launch_options(pdl),
         )
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 64
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Arrival counters of the decode kernel's fused split reduce, one per (token, KV head), per device.
@@ -1183,7 +1085,7 @@ def attention_forward(
     kernel is 1.07-1.18x faster."""
     config = _check_config(config)
     kv_heads = kv_cache.shape[3]
-    sms = _sm_count(q.device)
+    sms = sm_count(q.device)
     fuse = config.get("fuse_write", fits_two_waves(seq_lens.shape[0], kv_heads, sms)) and uses_decode_kernel(
         q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, sms
     )
@@ -1238,13 +1140,13 @@ def _attention(
     out = torch.empty_like(q)  # every row is written, padding rows with zeros (no memset launch)
     if kv_cache.dtype != torch.float32:
         precision = "ieee"  # input_precision only matters for fp32 dots
-    interpret = _interpret(q)
-    pdl = _use_pdl(q)
+    interpret = is_interpreted(q)
+    pdl = pdl_mode(q)
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    num_sms = _sm_count(q.device)
+    num_sms = sm_count(q.device)
     plat = _platform.current_platform()
     nvidia = not interpret and plat.kind == "cuda"
     decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
@@ -1295,12 +1197,12 @@ def _attention(
     if decode and num_splits > 1 and cfg["fuse_reduce"]:
         counters = _split_counters(q.device, num_tokens * num_kv_heads)
     fuse_reduce = counters is not None
-    with _interpreter_scope(interpret):
+    with interpreter_scope(interpret):
         if decode:
             fuse = k is not None
             use_dot = _mha_dot(num_splits) if cfg["use_dot"] is None else bool(cfg["use_dot"])
             early = fuse and bool(cfg["early_reads"])
-            _kernel(_paged_attention_decode_kernel, interpret)[(num_tokens, num_kv_heads, num_splits)](
+            kernel_for(_paged_attention_decode_kernel, interpret)[(num_tokens, num_kv_heads, num_splits)](
                 q,
                 k if fuse else q,
                 v if fuse else q,
@@ -1342,12 +1244,12 @@ def _attention(
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
-                **_pdl_launch_options(pdl),
+                **pdl_launch_options(pdl),
             )
         else:
             # Upper bound on the query tiles of the sequences plus the padding rows (shapes only).
             grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs + 1, num_kv_heads, num_splits)
-            _kernel(_paged_attention_kernel, interpret)[grid](
+            kernel_for(_paged_attention_kernel, interpret)[grid](
                 q,
                 k_cache,
                 v_cache,
@@ -1382,10 +1284,10 @@ def _attention(
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
                 num_stages=cfg["stages"],
-                **_pdl_launch_options(pdl),
+                **pdl_launch_options(pdl),
             )
         if num_splits > 1 and not fuse_reduce:
-            _kernel(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
+            kernel_for(_split_reduce_kernel, interpret)[(num_tokens, num_heads)](
                 part_out,
                 part_lse,
                 query_start_loc,
@@ -1399,7 +1301,7 @@ def _attention(
                 BLOCK_D=block_d,
                 USE_PDL=pdl,
                 num_warps=config.get("reduce_warps") or (4 if block_d >= 128 else 2),
-                **_pdl_launch_options(pdl),
+                **pdl_launch_options(pdl),
             )
     return out
 

@@ -1,0 +1,125 @@
+"""How this package launches its Triton kernels: compiled for the GPU or run by Triton's CPU
+interpreter, with or without Programmatic Dependent Launch, sized by the device's SM count.
+
+Every kernel module (attention, GEMV, RMSNorm, TMA prefill) launches through these helpers. Kernels
+are plain functions wrapped lazily per mode (``kernel_for``), so importing a kernel module before
+``TRITON_INTERPRET=1`` is set does not break CPU runs. The PDL contract the kernels follow (trigger,
+wait, what may be read before the wait) is in ``triton_attention``'s docstring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import triton.language as tl
+
+from rlt_compile import envs
+from rlt_compile import platform as _platform
+
+__all__ = ["interpreter_scope", "is_interpreted", "kernel_for", "pdl_launch_options", "pdl_mode", "sm_count"]
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+_KERNELS: dict[tuple[str, bool], object] = {}
+
+
+def kernel_for(fn, interpret: bool):
+    """The kernel ``fn`` compiled for the GPU, or wrapped for Triton's CPU interpreter."""
+    key = (fn.__name__, interpret)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(fn)
+        else:
+            from triton.runtime.jit import JITFunction
+
+            kernel = JITFunction(fn)
+        _KERNELS[key] = kernel
+    return kernel
+
+
+def is_interpreted(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def pdl_mode(t: torch.Tensor) -> int:
+    """A launch's ``USE_PDL``: 0 without Programmatic Dependent Launch, 2 with it and the trigger
+    first (``RLT_PDL_TRIGGER=early``, the default), 1 with it and the trigger after the kernel's
+    ``gdc_wait`` (``RLT_PDL_TRIGGER=wait``). PDL only for CUDA tensors (never the interpreter's CPU tensors or the
+    ``meta`` tensors ``aot.py`` records launches with) and when ``platform.pdl_enabled()``
+    (``RLT_PDL``, ``Platform.supports_pdl``; environment reads, the rest cached). No device query: it
+    runs at every launch, inside CUDA-graph capture too."""
+    if not (t.is_cuda and _platform.pdl_enabled()):
+        return 0
+    return 2 if envs.rlt_pdl_trigger() == "early" else 1
+
+
+_PDL_OPTIONS: dict[int, dict] = {0: {}, 1: {"launch_pdl": True}, 2: {"launch_pdl": True}}
+
+
+def pdl_launch_options(pdl: int) -> dict:
+    """The launch keyword of PDL: ``launch_pdl=True`` when on, nothing otherwise. Never
+    ``launch_pdl=False``: Triton rejects launch keywords its backend does not know
+    ("Keyword argument launch_pdl was specified but unrecognised"), and ROCm's ``HIPOptions`` (and
+    older NVIDIA backends) have no ``launch_pdl``."""
+    return _PDL_OPTIONS[pdl]
+
+
+@contextlib.contextmanager
+def interpreter_scope(interpret: bool):
+    """Let interpreted kernels call triton's own library functions (``tl.sum``, ``tl.max``,
+    ``tl.cdiv``...) even when triton was imported before ``TRITON_INTERPRET=1`` was set: those are
+    then ``JITFunction``s, which refuse to be called outside a compiled kernel. For the duration of
+    an interpreted launch they run through the interpreter like the kernel itself."""
+    from triton.runtime.jit import JITFunction
+
+    if not interpret or not isinstance(tl.sum, JITFunction):
+        yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    try:  # InterpretedFunction.__call__ (a device-function call) patches triton.language and never
+        # restores it, which breaks later real compiles in the same process; restore it ourselves.
+        from triton.runtime.interpreter import _patch_lang
+    except ImportError:  # pragma: no cover - other triton versions
+        _patch_lang = None
+
+    original = JITFunction.__call__
+    wrapped: dict[int, InterpretedFunction] = {}
+
+    def call(self, *args, **kwargs):
+        fn = wrapped.get(id(self))
+        if fn is None:
+            fn = wrapped[id(self)] = InterpretedFunction(self.fn)
+        if _patch_lang is None or not hasattr(fn, "rewrite"):
+            return fn(*args, **kwargs)
+        scope = _patch_lang(fn.fn)
+        try:
+            return fn.rewrite()(*args, **kwargs)
+        finally:
+            if hasattr(scope, "restore"):
+                scope.restore()
+
+    with _INTERPRETER_LOCK:
+        JITFunction.__call__ = call
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 64
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
