@@ -25,7 +25,8 @@ import torch
 
 from rlt_compile import envs, platform
 from rlt_compile.compiler import PDL_PATCH, compile_model, inductor_patches
-from rlt_compile.kernels import aot, gemv, launch, prefill_tma, rmsnorm, triton_attention
+from rlt_compile.kernels import aot, gemv, prefill_tma, rmsnorm, triton_attention
+from rlt_compile.kernels import launch as kernel_launch
 from rlt_compile.platform import Platform, pdl_enabled
 
 CUDA = torch.cuda.is_available()
@@ -420,7 +421,7 @@ needs_pdl = pytest.mark.skipif(
 
 def _compiled_pdl_kernels(fn) -> list:
     """The compiled GPU variants of one of our kernels that were built with ``launch_pdl``."""
-    jit = launch._KERNELS.get((fn.__name__, False))
+    jit = kernel_launch._KERNELS.get((fn.__name__, False))
     if jit is None:
         return []
     kernels = [k for entry in getattr(jit, "device_caches", {}).values() for k in entry[0].values()]
