@@ -25,7 +25,7 @@ Values are read when asked for (not at import), so tests can set them with ``mon
     RLT_ATTENTION_BACKEND    auto | flash | triton | torch (default auto). Overrides the attention backend
                              the Platform picks (``Platform.select_attention_backend``).
     RLT_ATTENTION_CONFIG     ``key=int,...`` (default empty). Defaults for the Triton attention launchers'
-                             ``config`` (keys in ``triton_attention.CONFIG_KEYS``, e.g.
+                             ``config`` (keys in ``attention_config.CONFIG_KEYS``, e.g.
                              ``fuse_reduce=0,early_reads=0``), under any config a caller passes: for tuning
                              and A/B runs of whole models (``bench``) without code changes.
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
