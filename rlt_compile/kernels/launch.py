@@ -22,8 +22,6 @@ from rlt_compile import platform as _platform
 __all__ = ["interpreter_scope", "is_interpreted", "kernel_for", "pdl_launch_options", "pdl_mode", "sm_count"]
 
 _INTERPRETER_LOCK = threading.Lock()
-
-
 _KERNELS: dict[tuple[str, bool], object] = {}
 
 
@@ -45,6 +43,7 @@ def kernel_for(fn, interpret: bool):
 
 
 def is_interpreted(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t`` runs in Triton's interpreter: CPU tensors do."""
     return t.device.type == "cpu"
 
 
@@ -115,6 +114,8 @@ def interpreter_scope(interpret: bool):
 
 
 def sm_count(device: torch.device) -> int:
+    """The SMs (CUs on ROCm) of ``device``, which size grids and split-K; 64 off the GPU (the
+    interpreter, ``meta`` tensors: ``aot.py`` patches in its target's count)."""
     if device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 64
