@@ -115,7 +115,7 @@ def interpreter_scope(interpret: bool):
 
 def sm_count(device: torch.device) -> int:
     """The SMs (CUs on ROCm) of ``device``, which size grids and split-K; 64 off the GPU (the
-    interpreter, ``meta`` tensors: ``aot.py`` patches in its target's count)."""
+    interpreter, ``meta`` tensors; ``aot.py`` gives the attention launchers its target's count)."""
     if device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 64
