@@ -465,7 +465,11 @@ fi
 if [[ $what == pending55 ]]; then
   # next (prepared in session 16): (a) where the GQA decode kernel stalls, per SASS instruction (Nanbeige batch 32
   # at 1k, 62% of copy bandwidth; issue 3); (b) what 32 mostly-empty decode splits change against 4 in Ouro-1.4B's
-  # token (the critical-path shares of --profile; issue 4)
+  # token (the critical-path shares of --profile; issue 4). First the GPU tests: session 16 moved the launch
+  # helpers and launch configuration out of triton_attention.py after its last GPU run
+  timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
+    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   timeout 200 ncu --kernel-name regex:_paged_attention_decode_kernel --launch-skip 2 --launch-count 1 --set full \
     --import-source yes -o "$OUT/nb32" python3 benchmarks/attention_case.py --model Nanbeige --batch 32 --ctx 1024 \
     > "$OUT/ncu_nb32.txt" 2>&1; echo "== ncu rc=$?"
