@@ -239,11 +239,13 @@ SWEEP_BATCHES, SWEEP_CONTEXTS = (1, 32, 128), (128, 1024, 8192)
 
 def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: int) -> list[tuple[str, dict]]:
     """A small set of launcher configs around the default (one knob at a time)."""
-    default_n = 64
     table_blocks = -(-ctx // BLOCK_SIZE)
+    # the launcher's own bf16 defaults for these heads (tile, waves, whether the merge is fused)
+    tiles = ta._decode_tile_config(False, 1 << (group - 1).bit_length(), 128, torch.bfloat16, {})
     auto = ta.choose_decode_splits(
-        batch, kv_heads, table_blocks, BLOCK_SIZE, default_n, num_sms, cap_to_table=group > 1
-    )
+        batch, kv_heads, table_blocks, BLOCK_SIZE, tiles["block_n"], num_sms, tiles["waves"],
+        cap_to_table=not tiles["fuse_reduce"],
+    )  # fmt: skip
     cands = [
         ("old: write + unified", {"decode": False}),
         ("default", {}),
