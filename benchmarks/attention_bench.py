@@ -8,10 +8,15 @@ contiguous [B, Hkv, S, D] tensors (the gather is not timed), so it is an upper b
 non-paged kernel.
 
 Timing (``--timer graph``, the default on CUDA): every call is captured once in a CUDA graph (as the
-engine runs it) and the median of 50 replays is taken, each after a 128 MiB memset that flushes the
-L2 and keeps the GPU busy while the CPU enqueues the replay, so neither the Python launcher's host
-time nor an L2-warm KV read is measured. ``--timer do_bench``: ``triton.testing.do_bench`` medians
-(includes host launch time where the kernel is shorter than it).
+engine runs it) and the median of 50 replays is taken, each after a flush of the L2 that keeps the
+GPU busy while the CPU enqueues the replay, so neither the Python launcher's host time nor an
+L2-warm KV read is measured. ``--flush read`` (the default) reads 256 MiB, leaving the L2 full of
+clean lines, as a decode step's preceding GEMVs do; ``--flush write`` (the default until session 17)
+zeroes 128 MiB, leaving dirty lines that the timed call must write back as it reads (on the H200 up
+to ~8 us more for a decode call reading tens of MB: docs/benchmarks.md, session 17). The copy
+bandwidth is timed after the same flush.
+``--timer do_bench``: ``triton.testing.do_bench`` medians (includes host launch time where the
+kernel is shorter than it).
 
 ``--sweep``: for each decode case (Ouro MHA 16x128 and Nanbeige GQA 48/8x128, batch 1/32/128 x
 context 128/1024/8192) time the op's whole decode call (KV write + attention, what
@@ -67,14 +72,25 @@ CASES: set[tuple[int, int]] = set()  # --cases: only these (batch, context) swee
 
 
 TIMER = "graph"
+FLUSH = "read"  # --flush: how bench_graph empties the L2 before each replay
 _FLUSH: dict[str, torch.Tensor] = {}
+
+
+def flush_l2(device: torch.device) -> None:
+    """Evict the L2: ``FLUSH == "write"`` zeroes 128 MiB (dirty lines left behind), ``"read"`` sums 256 MiB
+    (clean lines left behind)."""
+    buf = _FLUSH.get(FLUSH)
+    if buf is None:
+        size = 128 << 20 if FLUSH == "write" else 256 << 20
+        buf = _FLUSH[FLUSH] = torch.ones(size // 4, dtype=torch.int32, device=device)
+    if FLUSH == "write":
+        buf.zero_()
+    else:
+        buf.sum(dtype=torch.int64)
 
 
 def bench_graph(fn, device: torch.device, reps: int = 50) -> float:
     """Median milliseconds of one CUDA-graph replay of ``fn`` (L2 flushed before each replay)."""
-    flush = _FLUSH.get("buf")
-    if flush is None:
-        flush = _FLUSH["buf"] = torch.empty(128 << 20, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -87,7 +103,7 @@ def bench_graph(fn, device: torch.device, reps: int = 50) -> float:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     graph.replay()
     for i in range(reps):
-        flush.zero_()
+        flush_l2(device)
         starts[i].record()
         graph.replay()
         ends[i].record()
@@ -118,10 +134,18 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Device-to-device copy bandwidth in GB/s (read + write)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    if device.type == "cuda":  # plain event timing: a 1 GiB copy inside a CUDA graph runs slower
-        import triton.testing
-
-        ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=40, return_mode="median")
+    if device.type == "cuda":  # plain event timing (a 1 GiB copy inside a CUDA graph runs slower), same flush
+        dst.copy_(src)
+        times = []
+        for _ in range(20):
+            flush_l2(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = sorted(times)[len(times) // 2]
     else:
         ms = bench(lambda: dst.copy_(src), device)
     return 2 * nbytes / (ms * 1e-3) / 1e9
@@ -241,7 +265,9 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     """A small set of launcher configs around the default (one knob at a time)."""
     table_blocks = -(-ctx // BLOCK_SIZE)
     # the launcher's own bf16 defaults for these heads (tile, waves, whether the merge is fused)
-    tiles = ta._decode_tile_config(False, 1 << (group - 1).bit_length(), 128, torch.bfloat16, {})
+    tiles = ta._decode_tile_config(
+        False, 1 << (group - 1).bit_length(), 128, torch.bfloat16, {}, batch * kv_heads, num_sms
+    )
     auto = ta.choose_decode_splits(
         batch, kv_heads, table_blocks, BLOCK_SIZE, tiles["block_n"], num_sms, tiles["waves"],
         cap_to_table=not tiles["fuse_reduce"],
@@ -260,14 +286,17 @@ def sweep_candidates(group: int, batch: int, ctx: int, kv_heads: int, num_sms: i
     cands.append(("warps=8" if group > 1 else "warps=2", {"warps": 8 if group > 1 else 2}))
     cands.append(("stages=3" if group > 1 else "stages=1", {"stages": 3 if group > 1 else 1}))
     cands.append(("no table prefetch", {"prefetch": False}))
-    if group > 1:  # GQA's default is the reduce kernel: the other way round
-        cands.append(("fused merge", {"fuse_reduce": True}))
+    # the split merge the other way round
+    cands.append(
+        ("split reduce kernel", {"fuse_reduce": False})
+        if tiles["fuse_reduce"]
+        else ("fused merge", {"fuse_reduce": True})
+    )
+    if group > 1:
         # one stage: a third of the shared memory, so all programs of a 2-split grid fit in one wave
         cands.append(("stages=1", {"stages": 1}))
         cands.append((f"stages=1, splits={auto * 2}", {"stages": 1, "splits": auto * 2}))
         cands.append(("stages=1, block_n=128", {"stages": 1, "block_n": 128}))
-    else:
-        cands.append(("split reduce kernel", {"fuse_reduce": False}))
     cands.append(("metadata after the PDL wait", {"early_reads": False}))
     cands += EXTRA
     if group == 1:
@@ -606,6 +635,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--no-table", action="store_true", help="with a sweep: skip the decode/prefill tables")
     parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph", help="CUDA timing method")
+    parser.add_argument(
+        "--flush", choices=("write", "read"), default="read", help="graph timer: L2 flush by memset or by a read"
+    )
     parser.add_argument("--head-major", action="store_true", help="cache storage [2, blocks, Hkv, bs, D] (a view)")
     parser.add_argument(
         "--extra", default="", help="with --sweep: more candidates, 'key=int,key=int;key=int' (one per ';')"
@@ -613,8 +645,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="", help="decode: only these BATCHxCONTEXT cases, comma-separated")
     parser.add_argument("--models", default="", help="comma-separated name fragments: only these models")
     args = parser.parse_args(argv)
-    global TIMER, MODELS, HEAD_MAJOR, CASES
-    TIMER = args.timer
+    global TIMER, FLUSH, MODELS, HEAD_MAJOR, CASES
+    TIMER, FLUSH = args.timer, args.flush
     HEAD_MAJOR = args.head_major
     EXTRA.extend((item.strip(), envs.parse_attention_config(item)) for item in filter(None, args.extra.split(";")))
     CASES = {tuple(int(n) for n in case.split("x")) for case in filter(None, args.cases.split(","))}
@@ -641,7 +673,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"# attention benchmark: {name}, {dtype}, block {BLOCK_SIZE}; d2d copy {copy_gbps:.0f} GB/s", flush=True)
 
-    timer = "CUDA-graph replays, L2 flushed" if TIMER == "graph" else "triton.testing.do_bench"
+    timer = f"CUDA-graph replays, L2 flushed by a {FLUSH}" if TIMER == "graph" else "triton.testing.do_bench"
     report = [
         f"# Attention kernels: {name}",
         "",

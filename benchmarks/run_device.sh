@@ -481,4 +481,24 @@ if [[ $what == pending55 ]]; then
       --compiled-steps 0 --profile --profile-top 30 --out "$OUT/ouro_profile_${cfg:-default}.md" 2>&1 | tail -45
   done
 fi
+if [[ $what == pending56 ]]; then
+  # session 17 (issue 3): does the graph timer's memset flush (128 MiB of dirty L2 lines the timed replay
+  # writes back) make short decode calls look slower than they are? A one-element op under each flush,
+  # then the attention table and Nanbeige's decode sweep under both
+  for flush in write read; do
+    python3 - "$flush" <<'PY'
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import attention_bench as ab
+ab.FLUSH = sys.argv[1]
+x = torch.zeros(1, device="cuda")
+print(f"== null op, flush {ab.FLUSH}: {ab.bench(lambda: x.add_(1), x.device) * 1e3:.1f} us")
+PY
+  done
+  for flush in read write; do
+    run timeout 150 python3 benchmarks/attention_bench.py --flush $flush --out "$OUT/attention_$flush.md"
+  done
+  run timeout 200 python3 benchmarks/attention_bench.py --flush read --sweep --no-table --models Nanbeige \
+    --cases 1x128,1x1024,32x1024,32x8192,128x1024 --out "$OUT/sweep_nb_read.md"
+fi
 exit 0

@@ -389,7 +389,8 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     """Split-K decode merges its splits in the decode kernel itself (the last split of each (token, KV
     head) to finish, counted with an atomic): no reduce launch, the reference's output (padding rows
     zero), the arrival counters back at zero; ``fuse_reduce=0`` runs the reduce kernel instead, with
-    the same result up to rounding. By default only MHA merges in the kernel (measured, GQA slower)."""
+    the same result up to rounding. By default MHA merges in the kernel, and GQA only where its
+    unsplit grid fills the GPU (below: 12 programs on the interpreter's 64 "SMs", so the reduce kernel)."""
     case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
     launched = _launched_kernels(monkeypatch)
     check_attention(tuple(x.clone() if torch.is_tensor(x) else x for x in case), split_k, fused=True)
@@ -405,6 +406,19 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     plain = check_attention(case, split_k, fused=True, config={"fuse_reduce": False})
     assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("sms", "fused"), [(12, True), (13, False)])
+def test_gqa_decode_merges_in_the_kernel_once_its_unsplit_grid_fills_the_gpu(monkeypatch, sms, fused):
+    """6 token rows (two padding) x 2 KV heads = 12 (token, KV head) programs: with 12 SMs the unsplit
+    grid fills them once, the launcher still splits the context in 2 (for two waves) and the last
+    split merges the group in the kernel; with 13 SMs the reduce kernel merges. Same output either way."""
+    case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS["gqa6/2"], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
+    monkeypatch.setattr(triton_attention, "sm_count", lambda device: sms)
+    launched = _launched_kernels(monkeypatch)
+    check_attention(case, None, fused=True)
+    expected = ["_paged_attention_decode_kernel"] + ([] if fused else ["_split_reduce_kernel"])
+    assert launched == expected
 
 
 @pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])

@@ -135,7 +135,9 @@ def choose_decode_splits(
     return max(1, min(splits, _MAX_SPLITS))
 
 
-def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict) -> dict:
+def _decode_tile_config(
+    interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict, programs: int = 0, num_sms: int = 1
+) -> dict:
     """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
 
     MHA (one query row per KV head) in 16 bits takes a 16-row ``tl.dot`` tile (15 rows of padding)
@@ -143,11 +145,13 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
     (``_mha_dot``; session 6 measured the tile slower end to end, before the early PDL trigger), in
     fp32 always the multiply + sum. GQA puts the group's query heads in the rows of a ``tl.dot``
     tile (at least 16 rows).
-    Split-K is merged in the kernel for MHA only (``fuse_reduce``). For GQA the last split merges the
-    group's heads at once, which on the H200 (Nanbeige, session 11) was 1.03-1.05x faster than the
-    reduce kernel at 2-16 splits (batch 32 at 128 / 1k, batch 1 at 1k), the same at batch 128, but
-    0.79x at batch 1 and 8k (64 splits: 31.8 vs 25.2 us), and no faster end to end (Nanbeige batch-1
-    decode 4.028 vs 4.005 ms/token): the reduce kernel stays GQA's default. ``l2_prefetch``: how many
+    Split-K is merged in the kernel (``fuse_reduce``) for MHA, and for GQA where the unsplit grid
+    (``programs``: tokens x KV heads) already fills the ``num_sms`` SMs once, so the split count is at
+    most 2. There the last split merges the group's heads at once, 1.01-1.04x faster than the reduce
+    kernel on the H200 (Nanbeige batch 32 at 1k 43.9 vs 45.4 us, at 8k 254.0 vs 255.6, batch 128 even;
+    session 17). Smaller GQA grids keep the reduce kernel: at their many splits the fused merge was
+    far slower (batch 1 at 128: 18.3 vs 10.9 us, session 17; at 8k 0.79x, session 11) and no faster
+    end to end (Nanbeige batch-1 decode 4.028 vs 4.005 ms/token, session 11). ``l2_prefetch``: how many
     of a split's cached K/V tiles it pulls into L2 (a PTX prefetch hint, CUDA only) before its PDL
     wait, while the q/k/v GEMV still runs; 1 tile made batch-1 decode 1.01x faster end to end on the
     H200 (Ouro-1.4B 3.94 vs 3.98 ms/token in two calls, Nanbeige 3.900 vs 3.914-3.919; session 14),
@@ -161,7 +165,7 @@ def _decode_tile_config(interpret: bool, group_p: int, block_d: int, dtype: torc
         "use_dot": None if mha and dtype != torch.float32 and not interpret else not mha,  # None: _mha_dot
         "waves": 2,
         "prefetch": True,
-        "fuse_reduce": mha,
+        "fuse_reduce": mha or programs >= num_sms,
         "early_reads": True,
         "l2_prefetch": 1,
     }

@@ -905,7 +905,9 @@ def _attention(
     decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
 
     if decode:
-        cfg = _decode_tile_config(interpret, group_p, block_d, kv_cache.dtype, config)
+        cfg = _decode_tile_config(
+            interpret, group_p, block_d, kv_cache.dtype, config, num_tokens * num_kv_heads, num_sms
+        )
         block_n = cfg["block_n"]
         num_splits = _split_count(
             split_k,
