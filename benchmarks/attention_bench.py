@@ -24,9 +24,10 @@ context 128/1024/8192) time the op's whole decode call (KV write + attention, wh
 ``attention_forward``: the old unified kernel, the decode kernel's default and one-knob variations of
 it), check each against SDPA (max abs err), and print the best per case next to the default.
 
-``--extra "key=int,key=int;key=int"`` adds launcher configs to the decode sweep and ``--cases
-32x1024,1x8192`` limits the decode sweep and table to those (batch, context) cases. ``--head-major`` stores the cache as
-``[2, blocks, Hkv, block_size, D]`` seen through the usual ``[2, blocks, block_size, Hkv, D]`` view.
+``--extra "key=int,key=int;key=int"`` adds launcher configs to the decode sweep; ``--cases
+32x1024,16x1024`` gives the decode sweep's (batch, context) cases (any, not only the grid above) and
+limits the decode table to those among its own. ``--head-major`` stores the cache as ``[2, blocks,
+Hkv, block_size, D]`` seen through the usual ``[2, blocks, block_size, Hkv, D]`` view.
 
 ``--prefill-sweep``: for each causal prefill case (the two models, 8 x 1k and 1 x 8k) time the
 unified kernel over a grid of tiles (``block_m`` x ``block_n`` x ``warps`` x ``stages``, the kernel's
@@ -663,6 +664,8 @@ def main(argv=None) -> int:
             return 2
         batches, contexts, prefill, copy_bytes = [1, 32, 128], [1024, 8192], [(8, 1024), (1, 8192)], 1 << 30
         sweep_batches, sweep_contexts = SWEEP_BATCHES, SWEEP_CONTEXTS
+        if CASES:  # any batch and context, not only the default grid's
+            sweep_batches, sweep_contexts = sorted({b for b, _ in CASES}), sorted({c for _, c in CASES})
         prefill_tiles = PREFILL_TILES
     fragments = [part for part in args.models.split(",") if part]
     if fragments:

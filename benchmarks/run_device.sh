@@ -501,4 +501,18 @@ PY
   run timeout 200 python3 benchmarks/attention_bench.py --flush read --sweep --no-table --models Nanbeige \
     --cases 1x128,1x1024,32x1024,32x8192,128x1024 --out "$OUT/sweep_nb_read.md"
 fi
+if [[ $what == pending57 ]]; then
+  # session 17 (issue 3): GQA decode merging its splits in the kernel where the unsplit grid fills the
+  # GPU; the attention table with the read flush twice (run-to-run spread), Nanbeige's decode sweep
+  timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
+    tests/test_graphs_gpu.py tests/test_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  for i in 1 2; do
+    timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention_$i.md" > "$OUT/attention_$i.log" 2>&1
+    grep -A16 "^## Decode" "$OUT/attention_$i.md" | grep "^| [ON]"
+  done
+  timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige \
+    --cases 16x1024,32x1024,32x8192,128x1024 --out "$OUT/sweep_nb.md" > "$OUT/sweep_nb.log" 2>&1
+  grep -B2 -A8 "^| model | batch | context | default" "$OUT/sweep_nb.md"
+fi
 exit 0
