@@ -515,4 +515,15 @@ if [[ $what == pending57 ]]; then
     --cases 16x1024,32x1024,32x8192,128x1024 --out "$OUT/sweep_nb.md" > "$OUT/sweep_nb.log" 2>&1
   grep -B2 -A8 "^| model | batch | context | default" "$OUT/sweep_nb.md"
 fi
+if [[ $what == pending58 ]]; then
+  # session 17 (issue 3): GQA's fused split merge from half a wave of unsplit programs (at most 4 splits);
+  # the sweep around it (batch 4-64), then the GPU decode tests
+  timeout 240 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige \
+    --cases 4x1024,8x1024,16x1024,16x8192,64x1024 --out "$OUT/sweep_nb.md" > "$OUT/sweep_nb.log" 2>&1
+  grep -A9 "^| model | batch | context | default" "$OUT/sweep_nb.md"
+  grep "| default |\|fused merge\|reduce kernel" "$OUT/sweep_nb.md"
+  timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_engine_gpu.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+fi
 exit 0

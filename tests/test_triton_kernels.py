@@ -390,7 +390,7 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     head) to finish, counted with an atomic): no reduce launch, the reference's output (padding rows
     zero), the arrival counters back at zero; ``fuse_reduce=0`` runs the reduce kernel instead, with
     the same result up to rounding. By default MHA merges in the kernel, and GQA only where its
-    unsplit grid fills the GPU (below: 12 programs on the interpreter's 64 "SMs", so the reduce kernel)."""
+    unsplit grid fills half the GPU (below: 12 programs on the interpreter's 64 "SMs": the reduce kernel)."""
     case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
     launched = _launched_kernels(monkeypatch)
     check_attention(tuple(x.clone() if torch.is_tensor(x) else x for x in case), split_k, fused=True)
@@ -408,11 +408,11 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("sms", "fused"), [(12, True), (13, False)])
-def test_gqa_decode_merges_in_the_kernel_once_its_unsplit_grid_fills_the_gpu(monkeypatch, sms, fused):
-    """6 token rows (two padding) x 2 KV heads = 12 (token, KV head) programs: with 12 SMs the unsplit
-    grid fills them once, the launcher still splits the context in 2 (for two waves) and the last
-    split merges the group in the kernel; with 13 SMs the reduce kernel merges. Same output either way."""
+@pytest.mark.parametrize(("sms", "fused"), [(24, True), (25, False)])
+def test_gqa_decode_merges_in_the_kernel_once_its_unsplit_grid_fills_half_the_gpu(monkeypatch, sms, fused):
+    """6 token rows (two padding) x 2 KV heads = 12 (token, KV head) programs: with 24 SMs the unsplit
+    grid fills half of them, the launcher splits the context in 4 (for two waves) and the last split
+    merges the group in the kernel; with 25 SMs the reduce kernel merges. Same output either way."""
     case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS["gqa6/2"], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
     monkeypatch.setattr(triton_attention, "sm_count", lambda device: sms)
     launched = _launched_kernels(monkeypatch)
