@@ -390,11 +390,11 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     head) to finish, counted with an atomic): no reduce launch, the reference's output (padding rows
     zero), the arrival counters back at zero; ``fuse_reduce=0`` runs the reduce kernel instead, with
     the same result up to rounding. By default MHA merges in the kernel, and GQA only where its
-    unsplit grid fills half the GPU (below: 12 programs on the interpreter's 64 "SMs": the reduce kernel)."""
+    unsplit grid fills an eighth of the GPU (here 12 programs on the interpreter's 64 "SMs": fused)."""
     case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
     launched = _launched_kernels(monkeypatch)
     check_attention(tuple(x.clone() if torch.is_tensor(x) else x for x in case), split_k, fused=True)
-    assert ("_split_reduce_kernel" in launched) == (heads != "mha4")  # the default
+    assert "_split_reduce_kernel" not in launched  # the default for both here
     launched.clear()
     real_empty_like = torch.empty_like  # padding rows must be written by the kernel
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
@@ -408,11 +408,12 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("sms", "fused"), [(24, True), (25, False)])
-def test_gqa_decode_merges_in_the_kernel_once_its_unsplit_grid_fills_half_the_gpu(monkeypatch, sms, fused):
-    """6 token rows (two padding) x 2 KV heads = 12 (token, KV head) programs: with 24 SMs the unsplit
-    grid fills half of them, the launcher splits the context in 4 (for two waves) and the last split
-    merges the group in the kernel; with 25 SMs the reduce kernel merges. Same output either way."""
+@pytest.mark.parametrize(("sms", "fused"), [(96, True), (97, False)])
+def test_gqa_decode_merges_in_the_kernel_once_its_unsplit_grid_fills_an_eighth_of_the_gpu(monkeypatch, sms, fused):
+    """6 token rows (two padding) x 2 KV heads = 12 (token, KV head) programs: with 96 SMs the unsplit
+    grid fills an eighth of them, the launcher splits the context in 16 (for two waves) and the last
+    split with keys merges the group in the kernel; with 97 SMs (32 splits wanted) the reduce kernel
+    merges. The reference's output either way."""
     case = make_case([1] * 4, [3, 40, 90, 0], *DECODE_HEADS["gqa6/2"], 32, 16, torch.float32, pad_tokens=2, pad_seqs=2)
     monkeypatch.setattr(triton_attention, "sm_count", lambda device: sms)
     launched = _launched_kernels(monkeypatch)
@@ -861,9 +862,10 @@ def test_large_mha_decode_batches_take_the_unified_kernel():
 
 
 def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkeypatch):
-    """On an H200 (launches recorded on meta tensors), 8 decode rows at a 128-position table: MHA
-    (merge fused in the kernel, empty splits free) takes the waves target, 4 splits (128 programs
-    for 264 wanted), though its 2 key tiles fill only 2; GQA (a reduce kernel reads every split)
+    """On an H200 (launches recorded on meta tensors) at a 128-position table: where the merge is fused
+    in the kernel (empty splits free) the split count is the waves target though the table's 2 key
+    tiles fill only 2 (8 decode rows: MHA 128 programs, 4 splits for 264 wanted; GQA 64 programs, 8;
+    one row: MHA 16 programs, 32); at one GQA row (8 programs, a reduce kernel reads every split) it
     stays at the table's 2 tiles, as does the CPU interpreter, which runs every program."""
     import dataclasses
 
@@ -873,11 +875,11 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
     short = [dataclasses.replace(w, max_model_len=128) for w in aot.WORKLOADS[:2]]
     launches = aot.capture_launches(Platform.mock("cuda"), short, (torch.bfloat16,), ("decode-split",))
     splits = {
-        launch.kwargs["GROUP"]: launch.kwargs["NUM_SPLITS"]
+        (launch.kwargs["GROUP"], launch.grid[0]): launch.kwargs["NUM_SPLITS"]
         for launch in launches
         if launch.kernel.endswith("_paged_attention_decode_kernel")
     }
-    assert splits == {1: 4, 6: 2}
+    assert splits == {(1, 8): 4, (6, 8): 8, (1, 1): 32, (6, 1): 2}
 
     q, k, v, cache, md = make_case([1] * 8, [20] * 8, 4, 4, 16, 16, torch.float32)  # MHA, interpreted
     seen = []

@@ -146,13 +146,13 @@ def _decode_tile_config(
     fp32 always the multiply + sum. GQA puts the group's query heads in the rows of a ``tl.dot``
     tile (at least 16 rows).
     Split-K is merged in the kernel (``fuse_reduce``) for MHA, and for GQA where the unsplit grid
-    (``programs``: tokens x KV heads) fills at least half the ``num_sms`` SMs, so the split count is
-    at most 4. There the last split merges the group's heads at once, faster than the reduce kernel on
-    the H200 (Nanbeige, KV write + attention: batch 16 at 1k 28.1 vs 33.8 us, batch 32 at 1k 43.2 vs
-    44.8, at 8k 249.0 vs 250.0, batch 128 even; session 17). Smaller GQA grids keep the reduce kernel:
-    at their many splits the fused merge was far slower (batch 1 at 128: 18.3 vs 10.9 us, at 1k 19.5
-    vs 13.2, session 17; at 8k 0.79x, session 11) and no faster end to end (Nanbeige batch-1 decode
-    4.028 vs 4.005 ms/token, session 11). ``l2_prefetch``: how many
+    (``programs``: tokens x KV heads) fills at least an eighth of the ``num_sms`` SMs, so the split
+    count is at most 16. There the last split merges the group's heads at once, faster than the
+    reduce kernel on the H200 (Nanbeige at 1k, KV write + attention, us: batch 4 19.6 vs 20.9, batch 8
+    21.5 vs 25.5, batch 16 28.1 vs 33.8, batch 32 43.2 vs 44.8; batch 16 at 8k 133.4 vs 139.1; session
+    17). Smaller GQA grids keep the reduce kernel: at their 32-64 splits the fused merge was far slower
+    (batch 1 at 128: 18.3 vs 10.9 us, at 1k 19.5 vs 13.2, session 17; at 8k 0.79x, session 11) and no
+    faster end to end (Nanbeige batch-1 decode 4.028 vs 4.005 ms/token, session 11). ``l2_prefetch``: how many
     of a split's cached K/V tiles it pulls into L2 (a PTX prefetch hint, CUDA only) before its PDL
     wait, while the q/k/v GEMV still runs; 1 tile made batch-1 decode 1.01x faster end to end on the
     H200 (Ouro-1.4B 3.94 vs 3.98 ms/token in two calls, Nanbeige 3.900 vs 3.914-3.919; session 14),
@@ -166,7 +166,7 @@ def _decode_tile_config(
         "use_dot": None if mha and dtype != torch.float32 and not interpret else not mha,  # None: _mha_dot
         "waves": 2,
         "prefetch": True,
-        "fuse_reduce": mha or 2 * programs >= num_sms,
+        "fuse_reduce": mha or 8 * programs >= num_sms,
         "early_reads": True,
         "l2_prefetch": 1,
     }
