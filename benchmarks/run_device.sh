@@ -303,9 +303,9 @@ if [[ $what == pending38 ]]; then
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
 fi
-if [[ $what == final || $what == pending39 || $what == pending47 ]]; then
-  # a session's final tree (session 14: pending39, session 15: pending47): GPU tests (logs in $OUT), then
-  # the four models and the attention table (issues 3, 4)
+if [[ $what == final || $what == pending39 || $what == pending47 || $what == pending59 ]]; then
+  # a session's final tree (session 14: pending39, session 15: pending47, session 17: pending59): GPU tests
+  # (logs in $OUT), then the four models and the attention table (issues 3, 4)
   timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
     tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
   tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
@@ -525,5 +525,13 @@ if [[ $what == pending58 ]]; then
   timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py tests/test_engine_gpu.py \
     > "$OUT/gpu_tests.log" 2>&1
   tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+fi
+if [[ $what == pending59 ]]; then
+  # session 17 (issue 4): with 32 decode splits at batch 1, do smaller key tiles put more of them to work?
+  for cfg in block_n=32 block_n=16 ""; do
+    echo "== ouro-1.4b RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
 fi
 exit 0
