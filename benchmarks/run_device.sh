@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending55|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending60|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -533,5 +533,20 @@ if [[ $what == pending59 ]]; then
     RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
+fi
+if [[ $what == pending60 ]]; then
+  # prepared in session 17 (issue 4): 16-key decode tiles made Ouro-1.4B's batch-1 token 2.5% faster at
+  # context 128 (3.754-3.759 vs 3.853-3.854 ms); before they become MHA's split-decode default, the long
+  # contexts that one captured graph also serves, and the other MHA models
+  for ctx in 128 4096; do
+    for cfg in "" block_n=16 block_n=32; do
+      echo "== context $ctx RLT_ATTENTION_CONFIG=$cfg"
+      RLT_ATTENTION_CONFIG=$cfg timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b,ouro-2.6b,huginn-0125 \
+        --context $ctx --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+    done
+  done
+  timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --cases 1x128,1x1024,1x8192,4x8192 \
+    --extra "block_n=16;block_n=16,use_dot=0" --out "$OUT/sweep_ouro_b1.md" > "$OUT/sweep_ouro_b1.log" 2>&1
+  grep -E "\| (default|block_n=16|block_n=32)" "$OUT/sweep_ouro_b1.md"
 fi
 exit 0

@@ -28,8 +28,9 @@ Four kernels serve the varlen batch layout of ``metadata.py``:
 * With ``NUM_SPLITS > 1`` either attention kernel is the first half of split-K ("flash-decoding"):
   every program handles one slice of the context and writes its normalised partial output plus
   its log2-sum-exp; ``_split_reduce_kernel`` then merges the slices. The decode kernel merges them
-  itself (config ``fuse_reduce``, default on for MHA): each split counts its arrival on a per-(token,
-  KV head) atomic counter and the last one merges all partials, so split-K costs no second launch.
+  itself (config ``fuse_reduce``, default on for MHA and for GQA up to 16 splits): each split counts
+  its arrival on a per-(token, KV head) atomic counter and the last one merges all partials, so
+  split-K costs no second launch.
   The counters are one zeroed buffer per device that every launch leaves at zero.
 
 PDL (Programmatic Dependent Launch, NVIDIA sm_90+, ``platform.pdl_enabled()`` / ``RLT_PDL``): on
