@@ -27,7 +27,9 @@ it), check each against SDPA (max abs err), and print the best per case next to 
 ``--extra "key=int,key=int;key=int"`` adds launcher configs to the decode sweep; ``--cases
 32x1024,16x1024`` gives the decode sweep's (batch, context) cases (any, not only the grid above) and
 limits the decode table to those among its own. ``--head-major`` stores the cache as ``[2, blocks,
-Hkv, block_size, D]`` seen through the usual ``[2, blocks, block_size, Hkv, D]`` view.
+Hkv, block_size, D]`` seen through the usual ``[2, blocks, block_size, Hkv, D]`` view;
+``--block-size`` sets the cache's block size (16 by default) and ``--ordered-blocks`` lays each
+sequence's blocks out consecutively instead of shuffled (how much DRAM locality the paging costs).
 
 ``--prefill-sweep``: for each causal prefill case (the two models, 8 x 1k and 1 x 8k) time the
 unified kernel over a grid of tiles (``block_m`` x ``block_n`` x ``warps`` x ``stages``, the kernel's
@@ -66,7 +68,8 @@ MODELS = {  # name -> (q heads, kv heads, head dim)
     "Ouro MHA 16x128": (16, 16, 128),
     "Nanbeige GQA 48/8x128": (48, 8, 128),
 }
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # --block-size
+ORDERED_BLOCKS = False  # --ordered-blocks: each sequence's blocks consecutive in memory, not shuffled
 HEAD_MAJOR = False  # --head-major: the cache's storage [2, blocks, Hkv, block_size, D]
 EXTRA: list[tuple[str, dict]] = []  # --extra: more sweep candidates
 CASES: set[tuple[int, int]] = set()  # --cases: only these (batch, context) sweep cases
@@ -158,7 +161,7 @@ def make_paged(batch, ctx, q_len, heads, kv_heads, dim, dtype, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    perm = torch.randperm(num_blocks, generator=gen)
+    perm = torch.arange(num_blocks) if ORDERED_BLOCKS else torch.randperm(num_blocks, generator=gen)
     tables = perm.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
     if HEAD_MAJOR:  # each (block, KV head)'s rows contiguous in memory; the same [2, blocks, bs, Hkv, D] view
         cache = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, dim, dtype=dtype, device=device).transpose(2, 3)
@@ -623,6 +626,7 @@ def table(header, rows) -> str:
 
 
 def main(argv=None) -> int:
+    global TIMER, FLUSH, MODELS, HEAD_MAJOR, CASES, BLOCK_SIZE, ORDERED_BLOCKS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter, fp32)")
@@ -639,6 +643,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--flush", choices=("write", "read"), default="read", help="graph timer: L2 flush by memset or by a read"
     )
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV cache block size (positions)")
+    parser.add_argument(
+        "--ordered-blocks", action="store_true", help="blocks in sequence order in memory (default: shuffled)"
+    )
     parser.add_argument("--head-major", action="store_true", help="cache storage [2, blocks, Hkv, bs, D] (a view)")
     parser.add_argument(
         "--extra", default="", help="with --sweep: more candidates, 'key=int,key=int;key=int' (one per ';')"
@@ -646,8 +654,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="", help="decode: only these BATCHxCONTEXT cases, comma-separated")
     parser.add_argument("--models", default="", help="comma-separated name fragments: only these models")
     args = parser.parse_args(argv)
-    global TIMER, FLUSH, MODELS, HEAD_MAJOR, CASES
     TIMER, FLUSH = args.timer, args.flush
+    BLOCK_SIZE, ORDERED_BLOCKS = args.block_size, args.ordered_blocks
     HEAD_MAJOR = args.head_major
     EXTRA.extend((item.strip(), envs.parse_attention_config(item)) for item in filter(None, args.extra.split(";")))
     CASES = {tuple(int(n) for n in case.split("x")) for case in filter(None, args.cases.split(","))}
@@ -799,7 +807,8 @@ def main(argv=None) -> int:
         ),
         "",
         f"Total benchmark time {time.time() - start:.0f} s. SDPA reads K/V pre-gathered into contiguous tensors "
-        "(gather not timed); triton reads the paged cache through shuffled block tables. Prefill 'paged "
+        f"(gather not timed); triton reads the paged cache through {'ordered' if ORDERED_BLOCKS else 'shuffled'} "
+        "block tables. Prefill 'paged "
         "kernel': the unified kernel over the whole causal context; 'op': rlt::attention_triton's call (KV "
         "write + attention: the TMA prefill kernel where the GPU has TMA, else the paged kernel); 'SDPA flash' "
         "/ 'SDPA cuDNN': SDPA held to that backend.",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending60|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending61|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -548,5 +548,15 @@ if [[ $what == pending60 ]]; then
   timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --cases 1x128,1x1024,1x8192,4x8192 \
     --extra "block_n=16;block_n=16,use_dot=0" --out "$OUT/sweep_ouro_b1.md" > "$OUT/sweep_ouro_b1.log" 2>&1
   grep -E "\| (default|block_n=16|block_n=32)" "$OUT/sweep_ouro_b1.md"
+fi
+if [[ $what == pending61 ]]; then
+  # prepared in session 17 (issue 3): decode is 0.93-1.00x SDPA, widest at bandwidth-bound MHA (Ouro batch
+  # 128 at 8k: 4311 vs 4516 GB/s). How much of that is the paging: shuffled 16-position blocks against
+  # blocks in sequence order, and 64-position blocks
+  for opts in "" "--ordered-blocks" "--block-size 64" "--block-size 64 --ordered-blocks"; do
+    echo "== attention_bench $opts"
+    timeout 120 python3 benchmarks/attention_bench.py $opts --cases 32x1024,128x1024,32x8192,128x8192 \
+      --out "$OUT/attention_${opts// /_}.md" 2>&1 | grep -E "^(Ouro|Nanbeige) .*\| (32|128) \| (1024|8192) \|"
+  done
 fi
 exit 0
