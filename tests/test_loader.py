@@ -47,6 +47,13 @@ def test_family_detection_and_weights_loaded(tiny_dirs, family, cls):
     assert model.inv_freq.abs().min() > 0  # rebuilt after meta-device construction
 
 
+def test_tokenizer_load_warns_nothing_about_the_model_config(tiny_dirs, recwarn):
+    """AutoTokenizer parses config.json to pick a tokenizer class; deprecations it finds there (e.g.
+    transformers 5 on ``rope_scaling``) are not the user's concern when we load our own models."""
+    load_model(tiny_dirs["ouro"])
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)], [str(w.message) for w in recwarn]
+
+
 def test_family_from_architectures_only(ckpt):
     edit_config(ckpt, model_type="something_else")
     assert isinstance(load_model(ckpt), OuroForCausalLM)

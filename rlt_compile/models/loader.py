@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -144,7 +145,9 @@ def load_tokenizer_from(path: Path):
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # AutoTokenizer complains that our config.json is not a transformers model
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        with warnings.catch_warnings():  # nor do its deprecations of config keys (rope_scaling) concern us here
+            warnings.simplefilter("ignore", FutureWarning)
+            return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise CheckpointError(f"{path}: tokenizer files present but unreadable ({e})") from e
     finally:
