@@ -536,16 +536,20 @@ if [[ $what == pending59 ]]; then
 fi
 if [[ $what == pending60 ]]; then
   # prepared in session 17 (issue 4): 16-key decode tiles made Ouro-1.4B's batch-1 token 2.5% faster at
-  # context 128 (3.754-3.759 vs 3.853-3.854 ms); before they become MHA's split-decode default, the long
-  # contexts that one captured graph also serves, and the other MHA models
-  for ctx in 128 4096; do
-    for cfg in "" block_n=16 block_n=32; do
-      echo "== context $ctx RLT_ATTENTION_CONFIG=$cfg"
-      RLT_ATTENTION_CONFIG=$cfg timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b,ouro-2.6b,huginn-0125 \
-        --context $ctx --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
-    done
+  # context 128 (3.754-3.759 vs 3.853-3.854 ms; Nanbeige's batch-1 decode call 9.9 vs 10.9 us at 128).
+  # Before they become the default: all four models at 128, and at 4096 (one captured graph serves every
+  # context of its bucket), then Ouro's batch-1 decode sweep (~7 minutes)
+  for cfg in "" block_n=16; do
+    echo "== context 128 RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 150 python3 -m rlt_compile.bench --model all --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
-  timeout 200 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --cases 1x128,1x1024,1x8192,4x8192 \
+  for cfg in "" block_n=16 block_n=32; do
+    echo "== context 4096 RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b \
+      --context 4096 --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+  timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --cases 1x128,1x1024,1x8192 \
     --extra "block_n=16;block_n=16,use_dot=0" --out "$OUT/sweep_ouro_b1.md" > "$OUT/sweep_ouro_b1.log" 2>&1
   grep -E "\| (default|block_n=16|block_n=32)" "$OUT/sweep_ouro_b1.md"
 fi
