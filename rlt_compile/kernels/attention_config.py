@@ -136,7 +136,7 @@ def choose_decode_splits(
 
 
 def _decode_tile_config(
-    interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict, programs: int = 0, num_sms: int = 1
+    interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict, programs: int, num_sms: int
 ) -> dict:
     """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
 
