@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending61|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending62|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -561,6 +561,19 @@ if [[ $what == pending61 ]]; then
     echo "== attention_bench $opts"
     timeout 120 python3 benchmarks/attention_bench.py $opts --cases 32x1024,128x1024,32x8192,128x8192 \
       --out "$OUT/attention_${opts// /_}.md" 2>&1 | grep -E "^(Ouro|Nanbeige) .*\| (32|128) \| (1024|8192) \|"
+  done
+fi
+if [[ $what == pending62 ]]; then
+  # prepared in session 17 (issue 4): why 32 mostly-empty decode splits beat 4 (session 16). early_exit=1
+  # lets the empty ones return before the PDL wait instead of after it: if waiting programs are what
+  # helps, it is slower; if they cost slots, faster. With the 16-key tiles too. GPU parity first
+  timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k "decode_kernel_parity" \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for cfg in "" early_exit=1 block_n=16 block_n=16,early_exit=1 "" early_exit=1; do
+    echo "== ouro-1.4b RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
 fi
 exit 0

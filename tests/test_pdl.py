@@ -57,6 +57,9 @@ EARLY_READS = {
         "v_cache_ptr",
     },
 }
+# The one early return allowed before the wait: the decode kernel's ``early_exit`` probe, for splits
+# other than split 0 (which always waits, so the grid still completes after the previous one).
+EARLY_EXITS = {"_paged_attention_decode_kernel": "if (split > 0) & (split >= active):\n    return"}
 PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]
 EARLY_TRIGGER = "if USE_PDL == 2:\n    tl.extra.cuda.gdc_launch_dependents()"
 
@@ -263,7 +266,8 @@ def test_every_kernel_starts_with_the_pdl_prologue():
     """``if USE_PDL == 2: gdc_launch_dependents()`` first (``RLT_PDL_TRIGGER=early``), then
     ``if USE_PDL: gdc_wait(); gdc_launch_dependents()`` before anything else (a docstring aside):
     no load, store or early return may come first, except loads of inputs listed in ``EARLY_READS``
-    (never written by a previous kernel). A kernel added without it fails here."""
+    (never written by a previous kernel) and the returns in ``EARLY_EXITS``. A kernel added without
+    it fails here."""
     kernels = aot.discover_kernels()
     assert {name.rsplit(".", 1)[-1] for name in kernels} == KERNELS
     for name, obj in kernels.items():
@@ -282,10 +286,18 @@ def test_every_kernel_starts_with_the_pdl_prologue():
         before = body[:at]
         pointers = {n.id for s in before for n in ast.walk(s) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
         assert pointers <= EARLY_READS.get(short, set()), (name, pointers)
-        assert not any(isinstance(n, ast.Return) for s in before for n in ast.walk(s)), name
+        exits = [n for s in before for n in ast.walk(s) if isinstance(n, ast.If) and _returns(n)]
+        assert [ast.unparse(n) for n in exits] == ([EARLY_EXITS[short]] if short in EARLY_EXITS else []), name
+        returns = sum(isinstance(n, ast.Return) for s in before for n in ast.walk(s))
+        assert returns == len(exits), name
         assert "tl.store" not in "".join(ast.unparse(s) for s in before), name
         if short not in EARLY_READS:
             assert at == 0, name
+
+
+def _returns(node: ast.If) -> bool:
+    """Whether ``node`` is an ``if`` whose whole body is one ``return``."""
+    return len(node.body) == 1 and isinstance(node.body[0], ast.Return) and not node.orelse
 
 
 def _launches(pdl: bool | None, workloads=aot.WORKLOADS[:1], dtypes=(torch.float16,)):

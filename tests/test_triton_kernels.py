@@ -463,6 +463,21 @@ def test_decode_fused_reduce_falls_back_to_the_reduce_kernel(monkeypatch):
     assert triton_attention._COUNTERS == {}  # nothing allocated during the (pretended) capture
 
 
+@pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
+def test_decode_empty_splits_leaving_before_the_pdl_wait_change_no_bit(heads):
+    """``early_exit``: with 16 splits most have no keys and return before the (here inert) PDL wait;
+    outputs and caches are identical to the default, and the arrival counters end at zero."""
+    case = make_case([1] * 4, [3, 15, 40, 0], *DECODE_HEADS[heads], 32, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    outs = []
+    for early_exit in (False, True):
+        q, k, v, cache, md = (x.clone() if torch.is_tensor(x) else x for x in case)
+        config = {"fuse_reduce": True, "early_exit": early_exit}
+        outs.append((attention_forward(q, k, v, cache, *md, 0.25, split_k=16, config=config), cache))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
+    check_attention(case, 16, fused=True, config={"fuse_reduce": True, "early_exit": True})
+
+
 @pytest.mark.parametrize("split_k", [False, 4])
 def test_decode_early_metadata_reads_change_no_bit(split_k):
     """Reading the metadata before the PDL wait (``early_reads``, the default) or after it computes
@@ -717,6 +732,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
+    configs += [{"fuse_reduce": True, "splits": 64, "early_exit": True}]  # empty splits leave before the wait
     for config in configs:
         check_attention(case, None, tol=tol, config=config, fused=fused)
 

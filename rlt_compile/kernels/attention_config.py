@@ -159,7 +159,9 @@ def _decode_tile_config(
     more tiles with fewer splits were slower. ``prefetch``: the next key tile's block-table entries
     are read while this tile's K/V are in flight (reading them two tiles ahead was no faster on the
     H200, session 16: Nanbeige batch 32 at 1k 52.2 vs 52.2 us, batch 1 14.5 vs 13.8; nor was a PDL
-    trigger after the wait: Ouro-1.4B 3.945 vs 3.927 ms/token). Checked with ptxas -v (sm_90): no
+    trigger after the wait: Ouro-1.4B 3.945 vs 3.927 ms/token). ``early_exit`` (a probe, off): with
+    the merge fused and the metadata read early, splits without keys (all but split 0) return before
+    the PDL wait instead of after it. Checked with ptxas -v (sm_90): no
     spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {
@@ -168,6 +170,7 @@ def _decode_tile_config(
         "prefetch": True,
         "fuse_reduce": mha or 8 * programs >= num_sms,
         "early_reads": True,
+        "early_exit": False,
         "l2_prefetch": 1,
     }
     if interpret:
@@ -207,6 +210,7 @@ CONFIG_KEYS = frozenset(
         "prefetch",
         "fuse_reduce",
         "early_reads",
+        "early_exit",
         "l2_prefetch",
         "reduce_warps",
         "mask_split",

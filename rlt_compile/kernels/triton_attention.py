@@ -538,6 +538,7 @@ def _paged_attention_decode_kernel(
     FUSE_WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
     EARLY_READS: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     L2_TILES: tl.constexpr,
     L2_LINES: tl.constexpr,
@@ -573,6 +574,11 @@ def _paged_attention_decode_kernel(
                 lines_mask = (pos_i < cache_hi)[:, None] & (line[None, :] < head_dim)
                 _prefetch_l2(k_cache_ptr + lines, lines_mask)
                 _prefetch_l2(v_cache_ptr + lines, lines_mask)
+        # EARLY_EXIT (fused merge only): a split without keys has nothing to wait for. Split 0 always
+        # waits, so this grid still completes after the previous one (the PDL chain stays transitive).
+        if EARLY_EXIT:  # noqa: SIM102 (constexpr, then runtime)
+            if (split > 0) & (split >= active):
+                return
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading its outputs
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -993,6 +999,7 @@ def _attention(
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=early,
+                EARLY_EXIT=early and fuse_reduce and bool(cfg["early_exit"]),
                 PREFETCH=bool(cfg["prefetch"]),
                 L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
