@@ -20,14 +20,12 @@ with one program per ``BLOCK_N`` output columns so that the weight is read exact
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for
+from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, sm_count
 
 _NONE, _RMSNORM, _SILU_MUL = 0, 1, 2
 
@@ -87,17 +85,12 @@ def _gemv_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@functools.cache
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def gemv_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tile choice from shapes only: ``BLOCK_N`` so that the column tiles fill the GPU at least once,
     a long ``BLOCK_K`` run per load (deep enough in flight to saturate HBM)."""
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         return {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < sms:
         block_n //= 2
