@@ -25,7 +25,7 @@ import torch
 
 from rlt_compile import envs, platform
 from rlt_compile.compiler import PDL_PATCH, compile_model, inductor_patches
-from rlt_compile.kernels import aot, gemv, prefill_tma, rmsnorm, triton_attention
+from rlt_compile.kernels import aot, attention_common, decode_attention, gemv, prefill_tma, rmsnorm, triton_attention
 from rlt_compile.kernels import launch as kernel_launch
 from rlt_compile.platform import Platform, pdl_enabled
 
@@ -151,7 +151,7 @@ def test_launch_pdl_is_a_launch_option_of_this_triton():
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    jit = triton_attention.kernel_for(triton_attention._split_reduce_kernel, False)
+    jit = triton_attention.kernel_for(attention_common._split_reduce_kernel, False)
     args = [torch.empty(8, device="meta")] * 4 + [1, 128] + [16] * 8
     for target, want in ((GPUTarget("cuda", 90, 32), True), (GPUTarget("hip", "gfx942", 64), None)):
         backend = make_backend(target)
@@ -523,8 +523,8 @@ def test_gpu_kernels_with_pdl_forced_on_in_a_cuda_graph(monkeypatch, trigger):
     for fn in (
         triton_attention._kv_write_kernel,
         triton_attention._paged_attention_kernel,
-        triton_attention._paged_attention_decode_kernel,
-        triton_attention._split_reduce_kernel,
+        decode_attention._paged_attention_decode_kernel,
+        attention_common._split_reduce_kernel,
         rmsnorm._fused_rmsnorm_kernel,
     ):
         built = _compiled_pdl_kernels(fn)
@@ -570,7 +570,7 @@ def test_gpu_compiled_graphs_same_output_with_pdl_on_and_off(tiny_dirs, monkeypa
     try:
         on, code_on = _compiled_ouro_run(tiny_dirs, monkeypatch, "1")
         assert _compiled_pdl_kernels(rmsnorm._fused_rmsnorm_kernel)  # our norm ran with PDL
-        assert _compiled_pdl_kernels(triton_attention._paged_attention_decode_kernel)  # decode steps too
+        assert _compiled_pdl_kernels(decode_attention._paged_attention_decode_kernel)  # decode steps too
         late, _ = _compiled_ouro_run(tiny_dirs, monkeypatch, "1", "wait")
         off, code_off = _compiled_ouro_run(tiny_dirs, monkeypatch, "0")
     finally:

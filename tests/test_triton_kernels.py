@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from rlt_compile.kernels import backends, triton_attention
+from rlt_compile.kernels import backends, decode_attention, triton_attention
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.kernels.reference import (
     attention_reference,
@@ -401,7 +401,7 @@ def test_decode_fused_split_reduce(monkeypatch, heads, split_k):
     case_f = tuple(x.clone() if torch.is_tensor(x) else x for x in case)
     fused = check_attention(case_f, split_k, fused=True, config={"fuse_reduce": True})
     assert launched == ["_paged_attention_decode_kernel"]
-    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
+    assert not decode_attention._COUNTERS[torch.device("cpu")].any()
     launched.clear()
     plain = check_attention(case, split_k, fused=True, config={"fuse_reduce": False})
     assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
@@ -433,7 +433,7 @@ def test_decode_fused_merge_reads_only_the_splits_with_keys(monkeypatch, heads):
         torch, "empty", lambda *a, **kw: t.fill_(float("nan")) if (t := real_empty(*a, **kw)).is_floating_point() else t
     )
     check_attention(case, 16, fused=True, config={"fuse_reduce": True})
-    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
+    assert not decode_attention._COUNTERS[torch.device("cpu")].any()
 
 
 @pytest.mark.parametrize(("sms", "fused_write"), [(64, True), (4, True), (3, False)])
@@ -453,14 +453,14 @@ def test_decode_fused_reduce_falls_back_to_the_reduce_kernel(monkeypatch):
     a CUDA graph is captured) the launch runs the separate reduce kernel, with the same result."""
     case = make_case([1] * 3, [20, 33, 7], 4, 2, 16, 16, torch.float32, pad_tokens=1, pad_seqs=1, seed=25)
     launched = _launched_kernels(monkeypatch)
-    monkeypatch.setattr(triton_attention, "_COUNTER_CAPACITY", 4)  # 4 tokens x 2 KV heads = 8 > 4
+    monkeypatch.setattr(decode_attention, "_COUNTER_CAPACITY", 4)  # 4 tokens x 2 KV heads = 8 > 4
     check_attention(case, 4, fused=True, config={"fuse_reduce": True})
     assert launched == ["_paged_attention_decode_kernel", "_split_reduce_kernel"]
-    assert triton_attention._split_counters(torch.device("cpu"), 4) is not None
-    monkeypatch.setattr(triton_attention, "_COUNTERS", {})
+    assert decode_attention._split_counters(torch.device("cpu"), 4) is not None
+    monkeypatch.setattr(decode_attention, "_COUNTERS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert triton_attention._split_counters(torch.device("cuda", 0), 4) is None
-    assert triton_attention._COUNTERS == {}  # nothing allocated during the (pretended) capture
+    assert decode_attention._split_counters(torch.device("cuda", 0), 4) is None
+    assert decode_attention._COUNTERS == {}  # nothing allocated during the (pretended) capture
 
 
 @pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
@@ -474,7 +474,7 @@ def test_decode_empty_splits_leaving_before_the_pdl_wait_change_no_bit(heads):
         config = {"fuse_reduce": True, "early_exit": early_exit}
         outs.append((attention_forward(q, k, v, cache, *md, 0.25, split_k=16, config=config), cache))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert not triton_attention._COUNTERS[torch.device("cpu")].any()
+    assert not decode_attention._COUNTERS[torch.device("cpu")].any()
     check_attention(case, 16, fused=True, config={"fuse_reduce": True, "early_exit": True})
 
 

@@ -271,7 +271,7 @@ def _as_target(p: Platform):
 
 def _run_launchers(workload: Workload, dtype: torch.dtype, mode: str, precision: str) -> None:
     """Call the public launchers of ``triton_attention`` on meta tensors shaped like a real batch."""
-    from rlt_compile.kernels import triton_attention
+    from rlt_compile.kernels import prefill_tma, triton_attention
 
     meta = torch.device("meta")
     w = workload
@@ -302,8 +302,6 @@ def _run_launchers(workload: Workload, dtype: torch.dtype, mode: str, precision:
         q, kv_cache, *metadata, precision=precision, split_k=split_k, config={"decode": False}
     )
     if mode == "prefill" and prefill_tma_serves(w, dtype):
-        from rlt_compile.kernels import prefill_tma  # prefill-heavy batches on Hopper: own keys via TMA
-
         prefill_tma.prefill_tma_attention(q, k, v, kv_cache, *metadata, precision=precision, slot_mapping=slot_mapping)
     if mode != "prefill":  # what rlt::attention_triton runs for all-decode batches: the decode kernel, KV write fused
         triton_attention.attention_forward(

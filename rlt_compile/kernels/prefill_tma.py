@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from rlt_compile import platform as _platform
+from rlt_compile.kernels.attention_common import LOG2E, _block_ids, _program_sequence
 from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
-from rlt_compile.kernels.triton_attention import _LOG2E, _block_ids, _program_sequence
 
 __all__ = ["MIN_AVERAGE_QUERY", "prefill_tma_attention", "prefill_tma_config", "uses_prefill_tma"]
 
@@ -260,7 +260,7 @@ def prefill_tma_attention(
             seq_lens,
             query_start_loc,
             out,
-            float(scale) * _LOG2E,
+            float(scale) * LOG2E,
             num_seqs,
             num_tokens,
             q.stride(0),
