@@ -9,6 +9,8 @@ kernel, and this times both). Medians of CUDA-graph replays with the L2 flushed 
 
     python benchmarks/prefill_tma_bench.py --out FILE        # H200, ~2 minutes
     python benchmarks/prefill_tma_bench.py --smoke           # CPU interpreter: parity of every case, tiny shapes
+    python benchmarks/prefill_tma_bench.py --extra "fold_scale=1;rescale_slack=8" --default-tile-only
+        # launcher configs on the default tile (one per ';'), against it and the unified op
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (block_m, block_n, warps, stages, KV write inside the kernel); the first is the default.
-TILES = [(64, 64, 4, 3, True), (64, 64, 4, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True)]
+# (block_m, block_n, warps, stages, KV write inside the kernel, more launcher config); the first is the default.
+TILES = [(64, 64, 4, 3, True, {}), (64, 64, 4, 3, False, {}), (128, 64, 8, 3, True, {}), (128, 128, 8, 3, True, {})]
 
 
 def mixed_inputs(heads, kv_heads, dim, dtype, device, prompt, decodes, ctx):
@@ -76,10 +78,11 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
     rows = []
     t_unified = None if smoke else bench(lambda: op({"prefill_tma": False}), device)
     t_sdpa = None if smoke or dense is None else bench(lambda: sdpa(*dense, scale, True), device)
-    for block_m, block_n, warps, stages, fuse_write in tiles:
+    for block_m, block_n, warps, stages, fuse_write, extra in tiles:
         cfg = {"prefill_tma": True, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages}
-        cfg["fuse_write"] = fuse_write
+        cfg |= {"fuse_write": fuse_write, **extra}
         tile = f"m{block_m} n{block_n} w{warps} s{stages}" + ("" if fuse_write else ", separate KV write")
+        tile += "".join(f", {key}={value}" for key, value in extra.items())
         try:
             err = (op(cfg).float() - ref.float()).abs().max().item()
             t = None if smoke else bench(lambda cfg=cfg: op(cfg), device)
@@ -104,17 +107,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--extra", default="", help="launcher configs on the default tile, 'key=int,key=int;key=int'")
+    parser.add_argument("--default-tile-only", action="store_true", help="no other tiles (--extra still adds)")
     args = parser.parse_args(argv)
+    from rlt_compile import envs
+
+    extras = [envs.parse_attention_config(item) for item in filter(None, args.extra.split(";"))]
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, dtype = torch.device("cpu"), torch.float32
         models = {"MHA 4x16": (4, 4, 16), "GQA 6/2x16": (6, 2, 16)}
-        fresh, chunk, mix, tiles = [(2, 40)], (2, 70, 24), (30, 5, 50), [(32, 16, 4, 1, True), (32, 16, 4, 1, False)]
+        fresh, chunk, mix, tiles = (
+            [(2, 40)],
+            (2, 70, 24),
+            (30, 5, 50),
+            [(32, 16, 4, 1, True, {}), (32, 16, 4, 1, False, {})],
+        )
     else:
         from attention_bench import MODELS
 
         device, dtype = torch.device("cuda"), torch.bfloat16
         models, fresh, chunk, mix, tiles = MODELS, [(8, 1024), (1, 8192)], (2, 2560, 512), (512, 31, 2048), TILES
+    tiles = tiles[:1] + [(*tiles[0][:5], extra) for extra in extras] + ([] if args.default_tile_only else tiles[1:])
     lines = [
         "| model | case | TMA tile | op us | unified op us | vs unified | SDPA us | vs SDPA | max err |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -129,7 +143,7 @@ def main(argv=None) -> int:
         prompt, decodes, ctx = mix
         inputs = mixed_inputs(*dims, dtype, device, prompt, decodes, ctx)
         label = f"{prompt}-token prompt + {decodes} decodes at {ctx}"
-        lines += run_case(name, dims, label, inputs, None, tiles[:2], args.smoke)
+        lines += run_case(name, dims, label, inputs, None, tiles[: 1 + len(extras)], args.smoke)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

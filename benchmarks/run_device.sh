@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending62|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending63|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -574,6 +574,25 @@ if [[ $what == pending62 ]]; then
     echo "== ouro-1.4b RLT_ATTENTION_CONFIG=$cfg"
     RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+fi
+if [[ $what == pending63 ]]; then
+  # prepared in session 18 (issue 3): the TMA prefill's key tile with the softmax scale folded into the
+  # exponent's FMA (fold_scale) and the running max moved only once a row's max grew past a slack
+  # (rescale_slack: most tiles then skip rescaling acc). Offline sm_90 SASS: 96 fewer instructions
+  # (fold), the rescale branch-guarded (slack). GPU parity first, then the op, then where it stalls (~4 min)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_tma.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 240 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
+    --extra "fold_scale=1;rescale_slack=8;fold_scale=1,rescale_slack=8" --out "$OUT/prefill_softmax.md" 2>&1 | grep "^|"
+  for cfg in "" fold_scale=1,rescale_slack=8; do
+    tag=${cfg//[=,]/_}
+    RLT_ATTENTION_CONFIG=$cfg timeout 120 ncu --kernel-name regex:_prefill_tma_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \
+      python3 benchmarks/attention_case.py --model Ouro --batch 1 --ctx 8192 --query 8192 > "$OUT/ncu_prefill${tag}.txt" 2>&1
+    echo "== ncu $cfg rc=$?"
+    grep -E "Duration|Compute \(SM\) Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Executed Instructions  " \
+      "$OUT/ncu_prefill${tag}.txt" | head -8
   done
 fi
 exit 0

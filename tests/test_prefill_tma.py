@@ -55,6 +55,35 @@ def test_prefill_tma_tile_config_overrides(interpret):
     check_attention(case, None, config={**FORCE, "block_m": 16, "block_n": 16}, fused=True)
     with pytest.raises(ValueError, match="multiple of block_n"):
         check_attention(case, None, config={**FORCE, "block_m": 16, "block_n": 32}, fused=True)
+    with pytest.raises(ValueError, match="rescale_slack"):
+        check_attention(case, None, config={**FORCE, "rescale_slack": prefill_tma.MAX_RESCALE_SLACK + 1}, fused=True)
+
+
+SOFTMAX_OPTIONS = [{"fold_scale": 1}, {"rescale_slack": 1}, {"rescale_slack": 8}, {"rescale_slack": 8, "fold_scale": 1}]
+
+
+@pytest.mark.parametrize("options", SOFTMAX_OPTIONS)
+def test_prefill_tma_softmax_options_match_reference(interpret, options):
+    """``fold_scale`` / ``rescale_slack`` change the key tile's work, not the softmax (random scores:
+    with a slack of 8 most tiles keep the running max and skip the rescale)."""
+    for heads, query_lens, context_lens in (((4, 4), [40, 17], [0, 30]), ((6, 2), [33, 20, 1], [50, 7, 12])):
+        case = make_case(query_lens, context_lens, *heads, 16, 8, torch.float32, pad_tokens=3, seed=7)
+        check_attention(case, None, config={**FORCE, **options}, fused=True)
+
+
+@pytest.mark.parametrize("options", SOFTMAX_OPTIONS[1:])
+def test_prefill_tma_lazy_rescale_follows_a_climbing_max(interpret, options):
+    """Scores that climb by ~100 (log2) per key tile: the running max must move on every tile, or
+    the weights against a stale max would overflow fp32 (2**128) into inf / NaN."""
+    q, k, v, cache, md = make_case([64, 40], [0, 0], 6, 2, 16, 8, torch.float32, pad_tokens=2, seed=9)
+    u = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    u = u / u.norm()
+    scale_log2 = 16**-0.5 * 1.4426950408889634
+    pos = torch.cat([torch.arange(64), torch.arange(40)])  # fresh prompts: positions from 0
+    q[:104] = u * 8.0
+    k[:104] = u * (pos.float() * 7.0 / (8.0 * scale_log2))[:, None, None]  # score = 7 * position (log2)
+    out = check_attention((q, k, v, cache, md), None, config={**FORCE, **options}, fused=True)
+    assert torch.isfinite(out).all()
 
 
 def test_prefill_tma_reads_strided_k_v(interpret):
@@ -101,6 +130,15 @@ def test_prefill_tma_gpu_matches_reference(dtype, heads, query_lens, context_len
     assert prefill_tma.uses_prefill_tma(sum(query_lens) + 7, len(query_lens), 128, torch.device("cuda"), dtype)
     case = make_case(query_lens, context_lens, *heads, 128, 16, dtype, pad_tokens=7, device="cuda", seed=1)
     check_attention(case, None, fused=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", SOFTMAX_OPTIONS[2:])
+@pytest.mark.parametrize("heads", [(16, 16), (48, 8)])
+def test_prefill_tma_gpu_softmax_options_match_reference(heads, options):
+    case = make_case([1024, 300], [0, 700], *heads, 128, 16, torch.bfloat16, pad_tokens=3, device="cuda", seed=3)
+    check_attention(case, None, config=options, fused=True)
 
 
 @gpu

@@ -216,6 +216,8 @@ CONFIG_KEYS = frozenset(
         "mask_split",
         "pad_group",
         "reverse_tiles",
+        "fold_scale",
+        "rescale_slack",
     }
 )
 

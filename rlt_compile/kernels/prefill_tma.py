@@ -36,6 +36,7 @@ import triton.language as tl
 
 from rlt_compile import platform as _platform
 from rlt_compile.kernels.attention_common import LOG2E, _block_ids, _program_sequence
+from rlt_compile.kernels.attention_config import _check_config
 from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
 
 __all__ = ["MIN_AVERAGE_QUERY", "prefill_tma_attention", "prefill_tma_config", "uses_prefill_tma"]
@@ -45,6 +46,8 @@ REQUIRES = "supports_tma"  # the Platform capability this module's kernel is bui
 # Batches whose queries average fewer tokens than this (decode-heavy mixed batches) stay on the
 # unified kernel, whose programs cover a whole GQA group per K/V tile.
 MIN_AVERAGE_QUERY = 32
+# Softmax weights grow up to 2**rescale_slack between rescales: an fp16 p (max 65504) leaves room.
+MAX_RESCALE_SLACK = 12
 
 
 def _prefill_tma_kernel(
@@ -76,6 +79,8 @@ def _prefill_tma_kernel(
     BLOCK_SIZE: tl.constexpr,
     SEQ_P: tl.constexpr,
     PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
     WRITE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -119,19 +124,21 @@ def _prefill_tma_kernel(
         kv_off = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, valid[None, :], PRECISION)
+        m_i, l_i, acc = _key_tile(
+            q, k, v, m_i, l_i, acc, scale_log2, valid[None, :], PRECISION, FOLD_SCALE, RESCALE_SLACK
+        )
 
     # The step's own rows through TMA: below the tile's diagonal unmasked, then the diagonal tiles.
     col = kv_head * HEAD_DIM
     for start in range(0, m0, BLOCK_N):
         k = k_desc.load([q_start + start, col])
         v = v_desc.load([q_start + start, col])
-        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, None, PRECISION)
+        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, None, PRECISION, FOLD_SCALE, RESCALE_SLACK)
     for start in range(m0, tl.minimum(m0 + BLOCK_M, q_len), BLOCK_N):
         k = k_desc.load([q_start + start, col])
         v = v_desc.load([q_start + start, col])
         causal = offs_m[:, None] >= (start + offs_n)[None, :]
-        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, causal, PRECISION)
+        m_i, l_i, acc = _key_tile(q, k, v, m_i, l_i, acc, scale_log2, causal, PRECISION, FOLD_SCALE, RESCALE_SLACK)
         if WRITE_KV:  # these are the tile's own rows: its group's first query head stores them
             pos = start + offs_n
             stored = tl.where(head % GROUP == 0, q_len, 0)  # rows this program stores
@@ -145,22 +152,52 @@ def _prefill_tma_kernel(
 
 
 @triton.jit
-def _key_tile(q, k, v, m_i, l_i, acc, scale_log2, keep, PRECISION: tl.constexpr):
+def _key_tile(
+    q, k, v, m_i, l_i, acc, scale_log2, keep, PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
+):  # fmt: skip
     """One key tile of the online softmax (``k``/``v`` ``[BLOCK_N, D]``; ``keep`` a mask broadcast
-    over the scores, or None); returns ``(m_i, l_i, acc)``."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    over the scores, or None); returns ``(m_i, l_i, acc)``.
+
+    ``FOLD_SCALE``: the row max is taken over the unscaled scores (the scale is positive) and the
+    scale enters the exponent as one fused multiply-add, not a multiply of every score first.
+    ``RESCALE_SLACK`` > 0: the running max only moves once some row's max has grown by more than
+    that (log2 domain) since it last moved; until then ``acc`` and ``l_i`` are not rescaled, and the
+    weights ``p`` stay below ``2**RESCALE_SLACK`` (exact in the fp32 sums, the same relative
+    precision as a 16-bit ``p``). Any max gives the same softmax; only the work differs."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if not FOLD_SCALE:
+        s = s * scale_log2
     if keep is not None:
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    m_tile = tl.max(s, axis=1)
+    if FOLD_SCALE:
+        m_tile = m_tile * scale_log2
+    m_new = tl.maximum(m_i, m_tile)
+    if RESCALE_SLACK > 0:
+        if tl.max(m_new - m_i, axis=0) > RESCALE_SLACK:  # one branch for the whole program
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        m_new = m_i
+    if FOLD_SCALE:
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+    else:
+        p = tl.exp2(s - m_new[:, None])
+    if RESCALE_SLACK > 0:
+        l_i = l_i + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dict:
-    """Tiles from dtypes only, then ``config`` (``block_m``, ``block_n``, ``warps``, ``stages``).
+    """Tiles from dtypes only, then ``config`` (``block_m``, ``block_n``, ``warps``, ``stages``, and
+    the key tile's ``fold_scale`` / ``rescale_slack``, see ``_key_tile``; both off until measured).
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -170,9 +207,12 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
+    cfg |= {"fold_scale": 0, "rescale_slack": 0}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
+    if not 0 <= cfg["rescale_slack"] <= MAX_RESCALE_SLACK:
+        raise ValueError(f"rescale_slack must be in [0, {MAX_RESCALE_SLACK}], got {cfg['rescale_slack']}")
     return cfg
 
 
@@ -233,7 +273,7 @@ def prefill_tma_attention(
         raise ValueError(f"k/v must be [T, Hkv, D] = {(num_tokens, num_kv_heads, head_dim)}, got {tuple(k.shape)}")
     num_seqs = seq_lens.shape[0]
     interpret = is_interpreted(q)
-    cfg = prefill_tma_config(interpret, kv_cache.dtype, config or {})
+    cfg = prefill_tma_config(interpret, kv_cache.dtype, _check_config(config))
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"q and kv_cache need a unit stride over the head dim, got {q.stride()} / {kv_cache.stride()}")
     k = k if _tma_ready(k) else k.contiguous()
@@ -278,6 +318,8 @@ def prefill_tma_attention(
             BLOCK_SIZE=block_size,
             SEQ_P=triton.next_power_of_2(num_seqs + 1),
             PRECISION=precision,
+            FOLD_SCALE=bool(cfg["fold_scale"]),
+            RESCALE_SLACK=int(cfg["rescale_slack"]),
             WRITE_KV=slot_mapping is not None,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
