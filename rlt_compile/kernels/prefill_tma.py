@@ -174,7 +174,9 @@ def _key_tile(
     if FOLD_SCALE:
         m_tile = m_tile * scale_log2
     m_new = tl.maximum(m_i, m_tile)
-    if RESCALE_SLACK > 0:
+    if RESCALE_SLACK == 0:
+        alpha = tl.exp2(m_i - m_new)
+    else:
         if tl.max(m_new - m_i, axis=0) > RESCALE_SLACK:  # one branch for the whole program
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha
@@ -185,13 +187,12 @@ def _key_tile(
         p = tl.exp2(s * scale_log2 - m_new[:, None])
     else:
         p = tl.exp2(s - m_new[:, None])
-    if RESCALE_SLACK > 0:
-        l_i = l_i + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    else:
-        alpha = tl.exp2(m_i - m_new)
+    if RESCALE_SLACK == 0:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    else:
+        l_i = l_i + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
