@@ -357,15 +357,9 @@ def paged_attention_triton(
     batches the unified kernel. ``split_k``: None picks the split count from shapes
     (``choose_decode_splits`` / ``choose_num_splits``); False/0/1 disables split-K; True forces it
     (the heuristic's count, at least 2); an int >= 2 is the number of context splits (rounded up
-    to a power of two). ``config`` overrides tiles for tuning (keys in ``CONFIG_KEYS``: ``decode``
-    on/off, ``splits``, ``block_n``, ``block_m`` (unified), ``warps``, ``stages``, ``use_dot``
-    (decode), ``waves`` (decode split heuristic), ``fuse_reduce`` / ``early_reads`` (decode: split-K
-    merged in the kernel, default on for MHA / metadata read before the PDL wait when the KV write
-    is fused, default on), ``reduce_warps``; defaults come from ``RLT_ATTENTION_CONFIG``; unified
-    kernel only:
-    ``mask_split`` (default True: unmasked key tiles below the diagonal), ``pad_group`` (default
-    False: GQA rows padded to a power of two per token, the old layout), ``reverse_tiles`` (default
-    False: a sequence's last query tile first)). Nothing here reads tensor values on the host.
+    to a power of two). ``config`` overrides tiles and options for tuning (keys in ``CONFIG_KEYS``,
+    each with its default in docs/kernels.md; defaults come from ``RLT_ATTENTION_CONFIG``). Nothing
+    here reads tensor values on the host.
     """
     return _attention(
         q, None, None, kv_cache, None, block_tables, seq_lens, query_start_loc, scale, precision, split_k, config
