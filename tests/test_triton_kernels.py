@@ -10,7 +10,9 @@ with metadata changed between replays.
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from rlt_compile.kernels.reference import (
     paged_attention_reference,
 )
 from rlt_compile.kernels.triton_attention import (
+    CONFIG_KEYS,
     attention_forward,
     choose_decode_splits,
     choose_num_splits,
@@ -594,6 +597,16 @@ def test_decode_kernel_selection_and_config_validation():
         paged_attention_triton(q, cache, *md[1:], 0.25, config={"blok_n": 32})
     with pytest.raises(ValueError, match="power of two"):
         paged_attention_triton(q, cache, *md[1:], 0.25, config={"block_n": 24})
+
+
+def test_every_launcher_option_is_documented():
+    """docs/kernels.md's table has a row for each key the launchers accept, and no other."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    rows = set()
+    for line in doc.splitlines():
+        if line.startswith("| `"):
+            rows.update(re.findall(r"`(\w+)`", line.split("|")[1]))
+    assert rows == set(CONFIG_KEYS)
 
 
 def test_custom_op_fused_decode_matches_generic_op():
