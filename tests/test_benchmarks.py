@@ -1,0 +1,29 @@
+"""The GPU benchmarks' CPU smoke modes (Triton's interpreter, tiny shapes): a benchmark broken by a
+refactor should fail here, not in a scarce device session. Each one checks its kernels' outputs
+against a reference itself and exits non-zero when they differ."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("attention_bench.py", ["--smoke"], "| tiny GQA 4/2x16 |"),
+        ("attention_case.py", ["--smoke", "--batch", "2", "--ctx", "40"], "out (2, "),
+        ("gemv_case.py", ["--smoke"], "relative error < 1e-2"),
+        ("gemv_chain_bench.py", ["--smoke"], "| gemv + silu fold"),
+        ("prefill_tma_bench.py", ["--smoke", "--extra", "fold_scale=1,rescale_slack=8"], "rescale_slack=8"),
+    ],
+)
+def test_benchmark_smoke_mode_runs_and_checks_its_kernels(script, args, expected):
+    run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert expected in run.stdout, run.stdout[-3000:]
