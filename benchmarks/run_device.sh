@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending63|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending64|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -594,5 +594,24 @@ if [[ $what == pending63 ]]; then
     grep -E "Duration|Compute \(SM\) Throughput|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Executed Instructions  " \
       "$OUT/ncu_prefill${tag}.txt" | head -8
   done
+fi
+if [[ $what == pending64 ]]; then
+  # prepared in session 18 (issue 4): split_grain deals the context to the decode splits in runs of 16
+  # positions instead of whole 64-key tiles, so a short context spreads over more splits (Ouro at 128: 8
+  # splits of 16 keys, not 2 of 64) while every split keeps the 64-key tile; it is what made 16-key
+  # tiles 2.5% faster at 128 (session 17), without narrowing the tile at long contexts. GPU parity first (~6 min)
+  timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k "decode_kernel_parity" \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for ctx in 128 4096; do
+    for cfg in "" split_grain=16 block_n=16 split_grain=32 ""; do
+      echo "== context $ctx RLT_ATTENTION_CONFIG=$cfg"
+      RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --context $ctx \
+        --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+    done
+  done
+  timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --cases 1x128,1x1024,1x8192 \
+    --extra "split_grain=16;split_grain=32;block_n=16" --out "$OUT/sweep_grain.md" > "$OUT/sweep_grain.log" 2>&1
+  grep -E "\| (default|split_grain|block_n=16)" "$OUT/sweep_grain.md"
 fi
 exit 0

@@ -467,6 +467,37 @@ def test_decode_fused_reduce_falls_back_to_the_reduce_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
+@pytest.mark.parametrize("fuse_reduce", [True, False])
+@pytest.mark.parametrize("splits", [4, 8, 32])
+def test_decode_split_grain_matches_reference(heads, fuse_reduce, splits):
+    """``split_grain`` below the 64-key tile: contexts crossing grain, tile and block boundaries."""
+    case = make_case([1] * 5, [0, 15, 40, 63, 130], *DECODE_HEADS[heads], 16, 16, torch.float32, pad_tokens=1, seed=8)
+    config = {"block_n": 64, "split_grain": 16, "fuse_reduce": fuse_reduce}
+    check_attention(case, splits, fused=True, config=config)
+
+
+@pytest.mark.parametrize(("grain", "active"), [(None, [0, 2]), (16, [3, 7]), (32, [2, 4])])
+def test_decode_split_grain_spreads_a_short_context_over_more_splits(monkeypatch, grain, active):
+    """Which splits write a partial (fused merge, 8 splits, 64-key tiles): a lone split with keys
+    writes the output directly. 41 and 101 keys make 1 and 2 tiles of 64, but 3 and 7 runs of 16."""
+    partial_lse = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.dtype == torch.float32 and out.dim() == 3:  # the split partials' log-sum-exps
+            partial_lse.append(out.fill_(float("nan")))
+        return out
+
+    monkeypatch.setattr(triton_attention.torch, "empty", empty)
+    case = make_case([1, 1], [40, 100], 4, 4, 16, 16, torch.float32, seed=9)
+    config = {"block_n": 64, "split_grain": grain, "fuse_reduce": True}
+    check_attention(case, 8, fused=True, config=config)
+    (lse,) = partial_lse
+    assert torch.isfinite(lse).sum(dim=0)[:, 0].tolist() == active  # splits with keys, per token
+
+
+@pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
 def test_decode_empty_splits_leaving_before_the_pdl_wait_change_no_bit(heads):
     """``early_exit``: with 16 splits most have no keys and return before the (here inert) PDL wait;
     outputs and caches are identical to the default, and the arrival counters end at zero."""
@@ -746,6 +777,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     configs += [{"fuse_reduce": True, "splits": 64, "early_exit": True}]  # empty splits leave before the wait
+    configs += [{"split_grain": 16}, {"split_grain": 16, "splits": 32, "fuse_reduce": True}]
     for config in configs:
         check_attention(case, None, tol=tol, config=config, fused=fused)
 

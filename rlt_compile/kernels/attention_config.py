@@ -161,8 +161,11 @@ def _decode_tile_config(
     H200, session 16: Nanbeige batch 32 at 1k 52.2 vs 52.2 us, batch 1 14.5 vs 13.8; nor was a PDL
     trigger after the wait: Ouro-1.4B 3.945 vs 3.927 ms/token). ``early_exit`` (a probe, off): with
     the merge fused and the metadata read early, splits without keys (all but split 0) return before
-    the PDL wait instead of after it. Checked with ptxas -v (sm_90): no
-    spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
+    the PDL wait instead of after it. ``split_grain`` (not yet timed; default ``block_n``): the
+    context is dealt to the splits in runs of this many positions, so with a smaller grain than the
+    tile a short context spreads over more splits (at 128 positions and 64-key tiles: 8 splits of 16
+    keys instead of 2 of 64, as 16-key tiles do) while long contexts keep the wide tile. Checked with
+    ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {
         "use_dot": None if mha and dtype != torch.float32 and not interpret else not mha,  # None: _mha_dot
@@ -172,6 +175,7 @@ def _decode_tile_config(
         "early_reads": True,
         "early_exit": False,
         "l2_prefetch": 1,
+        "split_grain": None,  # None: block_n
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -218,6 +222,7 @@ CONFIG_KEYS = frozenset(
         "reverse_tiles",
         "fold_scale",
         "rescale_slack",
+        "split_grain",
     }
 )
 
@@ -231,7 +236,7 @@ def _check_config(config: dict | None) -> dict:
             f"unknown attention config keys {sorted(unknown)} (config or RLT_ATTENTION_CONFIG); "
             f"valid: {sorted(CONFIG_KEYS)}"
         )
-    for key in ("block_n", "block_m"):
+    for key in ("block_n", "block_m", "split_grain"):
         value = config.get(key)
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{key} must be a power of two >= 16, got {value}")

@@ -111,14 +111,15 @@ def _prefetch_l2(ptrs, mask):
 @triton.jit
 def _decode_start(
     query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLIT_GRAIN: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FUSE_WRITE: tl.constexpr,
 ):  # fmt: skip
     """What a decode program reads from the metadata: returns ``(is_real, q_start, ctx_len, kv_lo,
     kv_hi, cache_hi, table, slot, block, active)``; keys ``[kv_lo, kv_hi)`` are this split's,
     ``[kv_lo, cache_hi)`` of them come from the cache, ``block`` holds the block-table entries of its
-    first tile, and the first ``active`` splits of the token have keys (whole tiles are dealt to the
-    splits in order, so a short context leaves the later splits empty)."""
+    first tile, and the first ``active`` splits of the token have keys (runs of ``SPLIT_GRAIN`` key
+    positions are dealt to the splits in order, as evenly as whole runs allow, so a short context
+    leaves the later splits empty)."""
     # Token t's sequence. Fast path (a pure decode row): sequence t owns exactly token t. Otherwise
     # (padding rows, or a multi-token sequence in a batch that merely has num_tokens == num_seqs) count.
     q_start = tl.load(query_start_ptr + t)
@@ -143,10 +144,10 @@ def _decode_start(
         kv_hi = kv_end
         active = 1
     else:
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-        kv_lo = split * tiles_per_split * BLOCK_N
-        kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
-        active = tl.cdiv(kv_end, tl.maximum(tiles_per_split, 1) * BLOCK_N)
+        grains_per_split = tl.cdiv(tl.cdiv(kv_end, SPLIT_GRAIN), NUM_SPLITS)
+        kv_lo = split * grains_per_split * SPLIT_GRAIN
+        kv_hi = tl.minimum(kv_end, kv_lo + grains_per_split * SPLIT_GRAIN)
+        active = tl.cdiv(kv_end, tl.maximum(grains_per_split, 1) * SPLIT_GRAIN)
     if FUSE_WRITE:
         cache_hi = tl.minimum(kv_hi, ctx_len)
         slot = tl.load(slot_ptr + t.to(tl.int64)).to(tl.int64)
@@ -204,6 +205,7 @@ def _paged_attention_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_GRAIN: tl.constexpr,
     USE_DOT: tl.constexpr,
     FUSE_WRITE: tl.constexpr,
     FUSE_REDUCE: tl.constexpr,
@@ -230,7 +232,7 @@ def _paged_attention_decode_kernel(
     if EARLY_READS:
         is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active = _decode_start(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
-            BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
+            SPLIT_GRAIN, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
         if L2_TILES > 0:  # the split's first L2_TILES cached tiles' K/V rows into L2, L2_LINES lines a row
             line = tl.arange(0, L2_LINES) * (BLOCK_D // L2_LINES)  # the first element of each line
@@ -255,7 +257,7 @@ def _paged_attention_decode_kernel(
     if not EARLY_READS:
         is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active = _decode_start(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,
-            BLOCK_N, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
+            SPLIT_GRAIN, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
 
     if FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime) split 0 writes this token and head's K/V row

@@ -540,6 +540,7 @@ def _attention(
                 BLOCK_SIZE=block_size,
                 SEQ_CHUNK=64,  # fixed (not from num_seqs): one compile serves every batch size
                 NUM_SPLITS=num_splits,
+                SPLIT_GRAIN=cfg["split_grain"] or block_n,
                 USE_DOT=use_dot,
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
