@@ -497,6 +497,27 @@ def test_decode_split_grain_spreads_a_short_context_over_more_splits(monkeypatch
     assert torch.isfinite(lse).sum(dim=0)[:, 0].tolist() == active  # splits with keys, per token
 
 
+@pytest.mark.parametrize(("grain", "splits"), [(None, 4), (16, 8)])
+def test_decode_split_count_is_capped_at_the_tables_runs_of_the_grain(monkeypatch, grain, splits):
+    """Where the split count is capped by the block table (here the interpreter; on a GPU the reduce
+    kernel's path), it counts runs of ``split_grain`` positions: 208 positions are 4 tiles of 64 but
+    13 runs of 16 (64 SMs off the GPU: the heuristic asks for 64 splits)."""
+    shapes = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.dtype == torch.float32 and out.dim() == 3:
+            shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(triton_attention.torch, "empty", empty)
+    case = make_case([1], [200], 6, 2, 16, 16, torch.float32, seed=10)
+    assert case[4].block_tables.shape[1] == 13
+    check_attention(case, None, fused=True, config={"block_n": 64, "split_grain": grain, "fuse_reduce": False})
+    assert shapes == [(splits, 1, 6)]
+
+
 @pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
 def test_decode_empty_splits_leaving_before_the_pdl_wait_change_no_bit(heads):
     """``early_exit``: with 16 splits most have no keys and return before the (here inert) PDL wait;

@@ -112,8 +112,8 @@ def choose_decode_splits(
     cap_to_table: bool = True,
 ) -> int:
     """Split-K count of the decode kernel (shapes only): enough (token, KV head, split) programs for
-    about ``waves`` waves of the SMs, but (``cap_to_table``) no more splits than key tiles of
-    ``block_n`` positions at the longest context the block table can describe
+    about ``waves`` waves of the SMs, but (``cap_to_table``) no more splits than runs of ``block_n``
+    positions (the key tile, or ``split_grain``) at the longest context the block table can describe
     (``max_blocks_per_seq * block_size``). Without the cap, a short table leaves splits empty: they
     cost nothing where the merge is fused in the kernel (they exit at once and are not read), and
     on the H200 the uncapped count was faster end to end at the bench's 208-position table (session

@@ -461,6 +461,7 @@ def _attention(
             interpret, group_p, block_d, kv_cache.dtype, config, num_tokens * num_kv_heads, num_sms
         )
         block_n = cfg["block_n"]
+        grain = cfg["split_grain"] or block_n  # splits get runs of this many key positions
         num_splits = _split_count(
             split_k,
             config,
@@ -469,7 +470,7 @@ def _attention(
                 num_kv_heads,
                 block_tables.shape[1],
                 block_size,
-                block_n,
+                grain,
                 num_sms,
                 cfg["waves"],
                 # the interpreter runs every program, empty or not
@@ -540,7 +541,7 @@ def _attention(
                 BLOCK_SIZE=block_size,
                 SEQ_CHUNK=64,  # fixed (not from num_seqs): one compile serves every batch size
                 NUM_SPLITS=num_splits,
-                SPLIT_GRAIN=cfg["split_grain"] or block_n,
+                SPLIT_GRAIN=grain,
                 USE_DOT=use_dot,
                 FUSE_WRITE=fuse,
                 FUSE_REDUCE=fuse_reduce,
