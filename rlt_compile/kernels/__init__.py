@@ -1,4 +1,5 @@
-"""Kernels: the attention custom ops (``ops.py``), their torch references (``reference.py``) and the
+"""Kernels: the attention custom ops (``ops.py``; the backends the swap pass installs: ``backends.py``),
+their torch references (``reference.py``) and the
 Triton paged kernels (``triton_attention.py``: the launchers and the unified kernel;
 ``decode_attention.py``, ``prefill_tma.py``, ``attention_common.py``; their shape rules in
 ``attention_config.py``, all in docs/kernels.md); the decode GEMV (``gemv.py``); the fused
