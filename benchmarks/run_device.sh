@@ -562,6 +562,10 @@ if [[ $what == pending61 ]]; then
     timeout 120 python3 benchmarks/attention_bench.py $opts --cases 32x1024,128x1024,32x8192,128x8192 \
       --out "$OUT/attention_${opts// /_}.md" 2>&1 | grep -E "^(Ouro|Nanbeige) .*\| (32|128) \| (1024|8192) \|"
   done
+  # session 18: split_grain balances the splits of a 1k context too (2 splits: 528 + 497 keys, not 576 + 449)
+  timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Nanbeige --cases 16x1024,32x1024,32x8192 \
+    --extra "split_grain=16" --out "$OUT/sweep_nb_grain.md" > "$OUT/sweep_nb_grain.log" 2>&1
+  grep -E "\| (default|split_grain)" "$OUT/sweep_nb_grain.md"
 fi
 if [[ $what == pending62 ]]; then
   # prepared in session 17 (issue 4): why 32 mostly-empty decode splits beat 4 (session 16). early_exit=1
