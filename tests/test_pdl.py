@@ -13,19 +13,17 @@ references, and a tiny compiled Ouro with CUDA graphs gives the same logits with
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib
 import inspect
 import logging
 import textwrap
-from unittest import mock
 
 import pytest
 import torch
 
 from rlt_compile import envs, platform
 from rlt_compile.compiler import PDL_PATCH, compile_model, inductor_patches
-from rlt_compile.kernels import aot, attention_common, decode_attention, gemv, prefill_tma, rmsnorm, triton_attention
+from rlt_compile.kernels import aot, attention_common, decode_attention, rmsnorm, triton_attention
 from rlt_compile.kernels import launch as kernel_launch
 from rlt_compile.platform import Platform, pdl_enabled
 
@@ -300,30 +298,18 @@ def _returns(node: ast.If) -> bool:
     return len(node.body) == 1 and isinstance(node.body[0], ast.Return) and not node.orelse
 
 
-def _launches(pdl: bool | None, workloads=aot.WORKLOADS[:1], dtypes=(torch.float16,)):
-    """Launches recorded on meta tensors for a mock H200; ``pdl`` forces the launchers' PDL choice."""
-    h200 = Platform.mock("cuda")
-    if pdl is None:
-        return aot.capture_launches(h200, workloads, dtypes)
-    with _forced_pdl(pdl):
-        return aot.capture_launches(h200, workloads, dtypes)
-
-
-@contextlib.contextmanager
-def _forced_pdl(pdl: int):
-    """Every launcher module's ``pdl_mode`` answering ``pdl``."""
-    with contextlib.ExitStack() as stack:
-        for module in (triton_attention, rmsnorm, gemv, prefill_tma):
-            stack.enter_context(mock.patch.object(module, "pdl_mode", lambda t: pdl))
-        yield
+def _launches(pdl: int = 0, workloads=aot.WORKLOADS[:1], dtypes=(torch.float16,)):
+    """Launches recorded on meta tensors for a mock H200; ``pdl`` forces the launchers' PDL mode
+    (0: their own choice, which on meta tensors is off)."""
+    return aot.capture_launches(Platform.mock("cuda"), workloads, dtypes, pdl=pdl)
 
 
 def test_launchers_pass_use_pdl_and_launch_pdl_at_every_launch_site():
-    for pdl in (True, False):
+    for pdl in (2, 1, 0):
         launches = _launches(pdl)
         assert {launch.kernel.rsplit(".", 1)[-1] for launch in launches} == KERNELS
         for launch in launches:
-            assert launch.kwargs["USE_PDL"] is pdl, launch.kernel
+            assert launch.kwargs["USE_PDL"] == pdl, launch.kernel
             # launch_pdl=True when on; absent when off (ROCm's Triton rejects the unknown keyword)
             assert launch.kwargs.get("launch_pdl", "absent") == (True if pdl else "absent"), launch.kernel
 
@@ -336,7 +322,7 @@ def test_meta_and_cpu_tensors_never_use_pdl(monkeypatch, triton_pdl):
     assert pdl_enabled()
     assert not triton_attention.pdl_mode(torch.empty(1, device="meta"))
     assert not triton_attention.pdl_mode(torch.empty(1))
-    for launch in _launches(None):
+    for launch in _launches():
         assert launch.kwargs["USE_PDL"] == 0 and "launch_pdl" not in launch.kwargs, launch.kernel
 
 
@@ -389,8 +375,7 @@ def test_sm90_ptx_waits_before_any_memory_access_or_branch(mode):
         pytest.skip("this Triton has no PDL")
     h200 = Platform.mock("cuda")
     target = aot.gpu_target("cuda", "sm_90")
-    with _forced_pdl(mode):
-        launches = aot.capture_launches(h200, aot.WORKLOADS[:1], (torch.float16,), ("prefill", "decode-split"))
+    launches = aot.capture_launches(h200, aot.WORKLOADS[:1], (torch.float16,), ("prefill", "decode-split"), pdl=mode)
     specs: dict[str, aot.Specialisation] = {}
     for launch in launches:
         specs.setdefault(launch.kernel, aot._bind(launch, target))

@@ -26,7 +26,9 @@ from the compiler output instead of a driver: the ``ptxas -v`` log on CUDA, the 
 descriptor (``.vgpr_count``, ``.private_segment_fixed_size``, ...) in the amdgcn assembly on HIP.
 ``shared`` is ``metadata.shared`` (bytes of shared memory / LDS per program).
 
-CLI: ``python -m rlt_compile.kernels.aot --target gfx950 [--target sm_90 ...]`` prints the table.
+CLI: ``python -m rlt_compile.kernels.aot --target gfx950 [--target sm_90 ...]`` prints the table;
+``--pdl 2`` builds the variants with the PDL prologue that an H200 launches (``RLT_ATTENTION_CONFIG``
+applies as on a GPU).
 """
 
 from __future__ import annotations
@@ -246,11 +248,12 @@ def _recording(records: list, label: str):
 
 
 @contextlib.contextmanager
-def _as_target(p: Platform):
+def _as_target(p: Platform, pdl: int = 0):
     """While the launchers run, answer device questions as the target would: ``current_platform()``
     is ``p`` and the kernel module's SM count (``sm_count``, which sizes split-K) is ``p.num_sms``;
-    on ``meta`` tensors it would otherwise be a CPU default."""
-    from rlt_compile.kernels import triton_attention
+    on ``meta`` tensors it would otherwise be a CPU default. ``pdl``: the PDL mode every launcher
+    picks (``launch.pdl_mode``; on ``meta`` tensors 0), to build the variants a GPU launches."""
+    from rlt_compile.kernels import gemv, prefill_tma, rmsnorm, triton_attention
 
     def current() -> Platform:
         return p
@@ -259,6 +262,8 @@ def _as_target(p: Platform):
     patches = [(_platform, "current_platform", current)]
     if p.num_sms and hasattr(triton_attention, "sm_count"):
         patches.append((triton_attention, "sm_count", lambda device: p.num_sms))
+    if pdl:
+        patches += [(module, "pdl_mode", lambda t: pdl) for module in (triton_attention, prefill_tma, rmsnorm, gemv)]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
@@ -328,18 +333,19 @@ def capture_launches(
     dtypes: Sequence[torch.dtype] = DTYPES,
     modes: Sequence[str] = MODES,
     precision: str | None = None,
+    pdl: int = 0,
 ) -> list[Launch]:
     """Every kernel launch the launchers make for these workloads x dtypes x modes on ``platform``.
 
     ``precision`` overrides ``platform.dot_precision(dtype)`` (to build variants the Platform would
-    never pick, e.g. tf32 on ROCm)."""
+    never pick, e.g. tf32 on ROCm); ``pdl`` is the PDL mode the launchers pick (``_as_target``)."""
     records: list[Launch] = []
     for w in workloads:
         for dtype in dtypes:
             prec = precision or platform.dot_precision(dtype)
             for mode in modes:
                 label = f"{w.name}/{_DTYPE_NAMES.get(dtype, dtype)}/{mode}"
-                with _as_target(platform), _recording(records, label):
+                with _as_target(platform, pdl), _recording(records, label):
                     _run_launchers(w, dtype, mode, prec)
                     _run_norm_launchers(w, dtype, mode)
                     _run_gemv_launchers(w, dtype, mode)
@@ -484,11 +490,12 @@ def specialisations(
     dtypes: Sequence[torch.dtype] = DTYPES,
     modes: Sequence[str] = MODES,
     precision: str | None = None,
+    pdl: int = 0,
 ) -> list[Specialisation]:
     """The distinct compile jobs for ``platform`` (launches that bind identically are merged)."""
     target = target or gpu_target(platform.kind, platform.arch)
     merged: dict[str, Specialisation] = {}
-    for launch in capture_launches(platform, workloads, dtypes, modes, precision):
+    for launch in capture_launches(platform, workloads, dtypes, modes, precision, pdl):
         spec = _bind(launch, target)
         key = spec.key()
         if key in merged:
@@ -646,6 +653,7 @@ def compile_for(
     dtypes: Sequence[torch.dtype] = DTYPES,
     modes: Sequence[str] = MODES,
     precision: str | None = None,
+    pdl: int = 0,
     specs: Sequence[Specialisation] | None = None,
     executor: Executor | None = None,
 ) -> list[KernelReport]:
@@ -654,6 +662,7 @@ def compile_for(
     ``target_kind`` is a platform kind ("cuda" | "rocm") with ``arch`` ("sm_90", "gfx942", ...), or a
     named target of :data:`TARGETS` ("gfx950"). The dot precision of each dtype is
     ``Platform.mock(kind, arch=arch).dot_precision(dtype)`` unless ``precision`` overrides it.
+    ``pdl``: the kernels' PDL mode (``USE_PDL``; 0 by default, as on ``meta`` tensors; an H200 runs 2).
     ``executor``: a process pool (``new_executor``) to compile in parallel; compiles hold the GIL and
     capture the ptxas log from stdout, so threads do not work. Returns one :class:`KernelReport` per
     distinct specialisation (``ok`` False with ``error`` when the compiler rejected it)."""
@@ -661,7 +670,7 @@ def compile_for(
     p = Platform.mock(kind, arch=arch)
     target = gpu_target(kind, arch)
     if specs is None:
-        specs = specialisations(p, target, workloads, dtypes, modes, precision)
+        specs = specialisations(p, target, workloads, dtypes, modes, precision, pdl)
     if executor is not None:
         return list(executor.map(compile_specialisation, specs, [kind] * len(specs), [arch] * len(specs)))
     return [compile_specialisation(s, kind, arch, target) for s in specs]
@@ -723,6 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=[w.name for w in WORKLOADS])
     parser.add_argument("--precision", choices=("ieee", "tf32"), help="override the Platform's dot precision")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    parser.add_argument(
+        "--pdl", type=int, default=0, choices=(0, 1, 2), help="USE_PDL of every kernel (an H200 launches 2)"
+    )
     args = parser.parse_args(argv)
     by_name = {v: k for k, v in _DTYPE_NAMES.items()}
     dtypes = tuple(by_name[d] for d in args.dtype) if args.dtype else DTYPES
@@ -739,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtypes=dtypes,
                 modes=tuple(args.mode or MODES),
                 precision=args.precision,
+                pdl=args.pdl,
                 executor=executor,
             )
             print(format_table(reports), end="\n\n")
