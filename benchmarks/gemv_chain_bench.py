@@ -95,7 +95,8 @@ def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device, table):
 def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, variant=None):
     """One token through the layer applications. ``variant`` (``variant_candidates``): ``attention``
     config for the attention op, ``swiglu``: the gate in the gate/up GEMV's epilogue (what the
-    compiled model runs), ``norm_warps``: the norm kernels' warps (set by ``main``)."""
+    compiled model runs), ``norm_warps``: the norm kernels' warps and ``late_residual``: the norms'
+    residual loaded after norm a, the order before session 18 (both set by ``main``)."""
     variant = variant or {}
     h = x
     residual = torch.zeros_like(x)
@@ -133,6 +134,7 @@ def variant_candidates():
     yield "cublas", None
     yield "gemv default", {}
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
+    yield "swiglu epilogue, norm residual loaded after norm a", {"variant": {"swiglu": True, "late_residual": True}}
     for warps in (1, 2, 4):
         yield f"swiglu epilogue, norm warps {warps}", {"variant": {"swiglu": True, "norm_warps": warps}}
     for attention in ATTENTION_VARIANTS:
@@ -250,7 +252,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--table", type=int, default=0, help="positions the block table describes (default: context + 80, as bench)"
     )
-    parser.add_argument("--only", default="", help="comma-separated name fragments: run only matching candidates")
+    parser.add_argument(
+        "--only", default="", help="comma-separated name fragments (or =exact names): run only matching candidates"
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
         sweep = candidates(args.smoke, args.grid)
     only = [part for part in args.only.split(",") if part]
     for name, cfg in sweep:
-        if only and name != "cublas" and not any(part in name for part in only):
+        if only and name != "cublas" and not any(name == p[1:] if p[0] == "=" else p in name for p in only):
             continue
         fold = None
         variant = (cfg or {}).get("variant")
@@ -302,13 +306,15 @@ def main(argv=None) -> int:
 
         def run(linear=linear, fold=fold, variant=variant):
             warps = (variant or {}).get("norm_warps")
-            default_warps = rmsnorm_mod._num_warps
+            default_warps, default_early = rmsnorm_mod._num_warps, rmsnorm_mod._EARLY_RESIDUAL
             if warps:
                 rmsnorm_mod._num_warps = lambda block: warps
+            if (variant or {}).get("late_residual"):  # the norms' order before session 18
+                rmsnorm_mod._EARLY_RESIDUAL = False
             try:
                 return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only, fold, variant)
             finally:
-                rmsnorm_mod._num_warps = default_warps
+                rmsnorm_mod._num_warps, rmsnorm_mod._EARLY_RESIDUAL = default_warps, default_early
 
         try:
             out = run()

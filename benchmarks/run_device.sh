@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending64|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending65|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -622,5 +622,19 @@ if [[ $what == pending64 ]]; then
   timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro --cases 1x128,1x1024,1x8192 \
     --extra "split_grain=16;split_grain=32;block_n=16" --out "$OUT/sweep_grain.md" > "$OUT/sweep_grain.log" 2>&1
   grep -E "\| (default|split_grain|block_n=16)" "$OUT/sweep_grain.md"
+fi
+if [[ $what == pending65 ]]; then
+  # prepared in session 18 (issue 4): Ouro's sandwich norm kernel (add_rmsnorm2: h = r + norm_a(y),
+  # out = norm_b(h)) loaded the residual row only after norm a's reduction, a second dependent memory
+  # round trip (offline SASS: the LDG after the first BAR.SYNC); now it loads with y, right after the PDL
+  # wait. Two per Ouro layer. GPU parity, the chain A/B in one process, then all four models (~6 min)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuse_rmsnorm.py tests/test_pdl.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for i in 1 2; do
+    timeout 120 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 \
+      --only "=swiglu epilogue,norm residual,no norm" 2>&1 | grep -E "^\| (swiglu|no norm)"
+  done
+  timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
 fi
 exit 0

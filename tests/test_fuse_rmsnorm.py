@@ -62,6 +62,17 @@ def _inputs(rows, hidden, dtype, device="cpu", seed=0, shape=None):
     return [t.to(device) for t in (y, r, wa, wb)]
 
 
+def test_residual_loaded_with_the_input_or_after_norm_a_gives_the_same_bits(monkeypatch):
+    """``_EARLY_RESIDUAL`` (Ouro's add after norm a) only moves the residual's load; the old order
+    stays for A/B runs."""
+    y, r, wa, wb = _inputs(3, 100, torch.float32, seed=5)
+    early = K.add_rmsnorm2_triton(y, r, wa, wb, 1e-6, 1e-5)
+    monkeypatch.setattr(K, "_EARLY_RESIDUAL", False)
+    late = K.add_rmsnorm2_triton(y, r, wa, wb, 1e-6, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(early, late))
+    torch.testing.assert_close(late[1], K.add_rmsnorm2_reference(y, r, wa, wb, 1e-6, 1e-5)[1], **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("hidden", [48, 100, 2048])
 @pytest.mark.parametrize("rows", [1, 3, 17])

@@ -29,7 +29,9 @@ only: bf16 is not exact there).
 PDL: on CUDA tensors with ``platform.pdl_enabled()`` the kernel is launched with ``launch_pdl`` and
 calls ``gdc_launch_dependents()`` + ``gdc_wait()`` before it reads the activations, like the
 attention kernels (``triton_attention``'s module docstring); the norm weights (parameters, which no
-kernel of a step writes) are read before the wait, as the decode GEMV reads its weights.
+kernel of a step writes) are read before the wait, as the decode GEMV reads its weights. After the
+wait the input row and the residual row load together, so each kernel waits for one memory round
+trip before its reductions (``_EARLY_RESIDUAL``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ __all__ = [
 
 # RESIDUAL: where the residual add happens relative to norm a.
 _NO_RESIDUAL, _ADD_BEFORE_NORM, _ADD_AFTER_NORM = 0, 1, 2
+# With the add after norm a (Ouro), load the residual row together with the input row, so the kernel
+# waits for one memory round trip before its first reduction, not one before and one after it. The
+# old order stays selectable for A/B runs (benchmarks/gemv_chain_bench.py --variants).
+_EARLY_RESIDUAL = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,6 +84,7 @@ def _fused_rmsnorm_kernel(
     NORM_A: tl.constexpr,
     RESIDUAL: tl.constexpr,
     NORM_B: tl.constexpr,
+    EARLY_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Per row: ``v = y``; [RESIDUAL == 1: ``v = r + v``]; [NORM_A: ``v = norm_a(v)``];
@@ -98,15 +105,17 @@ def _fused_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     v = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     dtype = v.dtype
-    if RESIDUAL == 1:
+    if (RESIDUAL == 1) | ((RESIDUAL == 2) & EARLY_RESIDUAL):
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    if RESIDUAL == 1:
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     if NORM_A:
         xf = v.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps_a)
         v = (w_a * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
     if RESIDUAL == 2:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        if not EARLY_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         v = (r.to(tl.float32) + v.to(tl.float32)).to(dtype)
     tl.store(h_ptr + row * stride_h + offs, v, mask=mask)
     if NORM_B:
@@ -180,6 +189,7 @@ def _launch(
             NORM_A=weight_a is not None,
             RESIDUAL=residual_mode,
             NORM_B=weight_b is not None,
+            EARLY_RESIDUAL=_EARLY_RESIDUAL,
             USE_PDL=pdl,
             num_warps=_num_warps(block),
             enable_fp_fusion=False,  # no FMA across the product and the residual add (fp32: eager rounds both)
