@@ -657,7 +657,7 @@ def main(argv=None) -> int:
     TIMER, FLUSH = args.timer, args.flush
     BLOCK_SIZE, ORDERED_BLOCKS = args.block_size, args.ordered_blocks
     HEAD_MAJOR = args.head_major
-    EXTRA.extend((item.strip(), envs.parse_attention_config(item)) for item in filter(None, args.extra.split(";")))
+    EXTRA.extend((item.strip(), envs.parse_config(item)) for item in filter(None, args.extra.split(";")))
     CASES = {tuple(int(n) for n in case.split("x")) for case in filter(None, args.cases.split(","))}
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

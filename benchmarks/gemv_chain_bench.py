@@ -92,11 +92,13 @@ def make_attention(n_layers, heads, dim, ctx, block_size, dtype, device, table):
     return caches, meta
 
 
-def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, variant=None):
+def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, variant=None, rope=None):
     """One token through the layer applications. ``variant`` (``variant_candidates``): ``attention``
     config for the attention op, ``swiglu``: the gate in the gate/up GEMV's epilogue (what the
-    compiled model runs), ``norm_warps``: the norm kernels' warps and ``late_residual``: the norms'
-    residual loaded after norm a, the order before session 18 (both set by ``main``)."""
+    compiled model runs), ``norm_warps``: the norm kernels' warps, ``late_residual`` / ``late_rope``:
+    the norms' residual / the rotary's cos and sin loaded late, the orders before session 18 (all
+    three set by ``main``). ``rope`` (``RopeColumns``): q and k rotated in the q/k/v GEMV's epilogue,
+    as the compiled model runs (cuBLAS: the reference rotation after ``F.linear``)."""
     variant = variant or {}
     h = x
     residual = torch.zeros_like(x)
@@ -109,7 +111,13 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             continue
         no_norms = variant.get("no_norms")  # what any norm fusion could win at most (wrong outputs)
         residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
-        qkv = linear(n, p["qkv"]).view(1, 3, heads, dim)
+        if rope is None:
+            qkv = linear(n, p["qkv"])
+        elif linear is F.linear:
+            qkv = gemv_mod.rope_columns_reference(F.linear(n, p["qkv"]), rope)
+        else:
+            qkv = gemv_mod.linear_gemv(n, p["qkv"], variant.get("qkv"), rope=rope)
+        qkv = qkv.view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         if variant.get("no_attention"):  # what any attention change could win at most (wrong outputs)
             a = q
@@ -134,7 +142,16 @@ def variant_candidates():
     yield "cublas", None
     yield "gemv default", {}
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
-    yield "swiglu epilogue, norm residual loaded after norm a", {"variant": {"swiglu": True, "late_residual": True}}
+    model = {"swiglu": True, "rope": True}  # the epilogues the compiled model runs
+    yield "model epilogues", {"variant": model}
+    yield "model epilogues, norm residual loaded after norm a", {"variant": {**model, "late_residual": True}}
+    yield "model epilogues, rope cos/sin loaded after the loop", {"variant": {**model, "late_rope": True}}
+    yield (
+        "model epilogues, both loaded late (the order before session 18)",
+        {"variant": {**model, "late_residual": True, "late_rope": True}},
+    )
+    acc = {"acc_2d": True}
+    yield "model epilogues, gemv acc_2d", {**acc, "variant": {**model, "qkv": acc, "gate_up": acc}}
     for warps in (1, 2, 4):
         yield f"swiglu epilogue, norm warps {warps}", {"variant": {"swiglu": True, "norm_warps": warps}}
     for attention in ATTENTION_VARIANTS:
@@ -271,6 +288,9 @@ def main(argv=None) -> int:
     x = torch.randn(1, hidden, device=device, dtype=dtype)
     weight_bytes = sum(t.numel() * t.element_size() for p in layers for t in p.values())
     ref = chain(x, layers, F.linear, caches, meta, heads, dim, args.gemv_only)
+    cos = torch.randn(1, dim // 2, device=device)
+    rope = gemv_mod.RopeColumns(cos, torch.randn_like(cos), 0, 2 * heads * dim, dim)  # q and k columns
+    ref_rope = chain(x, layers, F.linear, caches, meta, heads, dim, args.gemv_only, rope=rope)
 
     rows = []
     if args.variants:
@@ -305,20 +325,22 @@ def main(argv=None) -> int:
                     return gemv_mod.linear_gemv(gu, w, cfg, silu_mul=True)
 
         def run(linear=linear, fold=fold, variant=variant):
-            warps = (variant or {}).get("norm_warps")
-            default_warps, default_early = rmsnorm_mod._num_warps, rmsnorm_mod._EARLY_RESIDUAL
-            if warps:
-                rmsnorm_mod._num_warps = lambda block: warps
-            if (variant or {}).get("late_residual"):  # the norms' order before session 18
-                rmsnorm_mod._EARLY_RESIDUAL = False
+            variant = variant or {}
+            saved = rmsnorm_mod._num_warps, rmsnorm_mod._EARLY_RESIDUAL, gemv_mod._EARLY_ROPE
+            if variant.get("norm_warps"):
+                rmsnorm_mod._num_warps = lambda block: variant["norm_warps"]
+            rmsnorm_mod._EARLY_RESIDUAL = not variant.get("late_residual")  # the orders before session 18
+            gemv_mod._EARLY_ROPE = not variant.get("late_rope")
             try:
-                return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only, fold, variant)
+                used = rope if variant.get("rope") else None
+                return chain(x, layers, linear, caches, meta, heads, dim, args.gemv_only, fold, variant, used)
             finally:
-                rmsnorm_mod._num_warps, rmsnorm_mod._EARLY_RESIDUAL = default_warps, default_early
+                rmsnorm_mod._num_warps, rmsnorm_mod._EARLY_RESIDUAL, gemv_mod._EARLY_ROPE = saved
 
         try:
             out = run()
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            want = ref_rope if (variant or {}).get("rope") else ref
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
             ms = time_graph(run, args.reps) if device.type == "cuda" else _cpu_time(run)
         except Exception as exc:  # a config that does not compile: report and go on
             print(f"{name}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from rlt_compile import envs
 
-    extras = [envs.parse_attention_config(item) for item in filter(None, args.extra.split(";"))]
+    extras = [envs.parse_config(item) for item in filter(None, args.extra.split(";"))]
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, dtype = torch.device("cpu"), torch.float32

@@ -28,6 +28,9 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              ``config`` (keys in ``attention_config.CONFIG_KEYS``, e.g.
                              ``fuse_reduce=0,early_reads=0``), under any config a caller passes: for tuning
                              and A/B runs of whole models (``bench``) without code changes.
+    RLT_GEMV_CONFIG          ``key=int,...`` (default empty). Defaults for the Triton decode GEMV's tiles and
+                             options (``gemv.CONFIG_KEYS``, e.g. ``acc_2d=1``), under any config a caller
+                             passes; for A/B runs of whole models, as ``RLT_ATTENTION_CONFIG``.
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
                              "triton" to the CPU platform's backend order.
 
@@ -51,6 +54,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RLT_COPY_STREAM": ("1", "1|0: H2D input copies on a side stream (0 = on the compute stream)"),
     "RLT_ATTENTION_BACKEND": ("auto", "auto|flash|triton|torch: override the attention backend"),
     "RLT_ATTENTION_CONFIG": ("", "key=int,...: default Triton attention launcher config (tuning)"),
+    "RLT_GEMV_CONFIG": ("", "key=int,...: default Triton decode GEMV config (tuning)"),
     "TRITON_INTERPRET": ("0", "1 = run Triton kernels in the CPU interpreter"),
 }
 
@@ -110,11 +114,17 @@ def rlt_attention_backend() -> str:
 def rlt_attention_config() -> dict[str, int]:
     """``RLT_ATTENTION_CONFIG`` parsed: ``"fuse_reduce=0, waves=4"`` -> ``{"fuse_reduce": 0, "waves": 4}``
     (keys are checked by the attention launcher)."""
-    return parse_attention_config(os.environ.get("RLT_ATTENTION_CONFIG", ""))
+    return parse_config(os.environ.get("RLT_ATTENTION_CONFIG", ""), "RLT_ATTENTION_CONFIG")
 
 
-def parse_attention_config(raw: str) -> dict[str, int]:
-    """``"key=int, key=int"`` -> ``{key: int}``, the format of ``RLT_ATTENTION_CONFIG``."""
+def rlt_gemv_config() -> dict[str, int]:
+    """``RLT_GEMV_CONFIG`` parsed like ``RLT_ATTENTION_CONFIG`` (keys are checked by the GEMV launcher)."""
+    return parse_config(os.environ.get("RLT_GEMV_CONFIG", ""), "RLT_GEMV_CONFIG")
+
+
+def parse_config(raw: str, name: str = "RLT_ATTENTION_CONFIG") -> dict[str, int]:
+    """``"key=int, key=int"`` -> ``{key: int}``, the format of ``RLT_ATTENTION_CONFIG`` and
+    ``RLT_GEMV_CONFIG`` (``name`` is the variable an error message names)."""
     config: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, sep, value = item.partition("=")
@@ -124,7 +134,7 @@ def parse_attention_config(raw: str) -> dict[str, int]:
         except ValueError:
             number = None
         if not sep or not key or number is None:
-            raise ValueError(f"RLT_ATTENTION_CONFIG must be key=int pairs separated by commas, got {raw!r}")
+            raise ValueError(f"{name} must be key=int pairs separated by commas, got {raw!r}")
         config[key] = number
     return config
 

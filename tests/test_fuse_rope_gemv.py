@@ -56,6 +56,21 @@ def test_kernel_rotates_the_range_and_leaves_the_rest(interpret, dtype, block_n,
     assert not torch.allclose(y[:, ~outside].float(), plain[:, ~outside].float(), atol=1e-3)
 
 
+def test_rope_factors_loaded_early_or_late_give_the_same_bits(interpret, monkeypatch):
+    """``gemv._EARLY_ROPE`` only moves the cos/sin loads (to right after the PDL wait); the old
+    order stays for A/B runs, and ``acc_2d`` composes with the rotation."""
+    head_dim, k, n = 16, 40, 96
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen) * k**-0.5
+    cos, sin = _tables([11], head_dim)
+    rope = gemv.RopeColumns(cos, sin, 0, 64, head_dim)
+    early = gemv.linear_gemv(x, w, {"block_n": 4}, rope=rope)
+    monkeypatch.setattr(gemv, "_EARLY_ROPE", False)
+    assert torch.equal(gemv.linear_gemv(x, w, {"block_n": 4}, rope=rope), early)
+    ref = gemv.rope_columns_reference(F.linear(x, w), rope)
+    torch.testing.assert_close(gemv.linear_gemv(x, w, {"block_n": 4, "acc_2d": True}, rope=rope), ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize(("lo", "hi"), [(0, 96), (64, 96), (32, 64)])

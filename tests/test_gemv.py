@@ -38,6 +38,65 @@ def test_gemv_matches_matmul(interpret, rows, n, k, prefetch):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The keyword arguments of every GEMV kernel launch (the launches still run)."""
+    seen = []
+    kernel_for = gemv.kernel_for
+
+    def recording(fn, interpreted):
+        grid_launcher = kernel_for(fn, interpreted)
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    seen.append(kwargs)
+                    return grid_launcher[grid](*args, **kwargs)
+
+                return launch
+
+        return Recorder()
+
+    monkeypatch.setattr(gemv, "kernel_for", recording)
+    return seen
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 70), (17, 33), (64, 128)])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_one_row_gemv_summed_once_after_its_loop(interpret, launches, n, k, prefetch):
+    """``acc_2d``: per-lane fp32 products over the whole row, reduced once; also with the SiLU
+    prologue and the SwiGLU epilogue (more rows keep the tl.dot tile: the option is ignored there)."""
+    gen = torch.Generator().manual_seed(n * 10 + k)
+    x = torch.randn(1, 2 * k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    cfg = {"prefetch": prefetch, "acc_2d": True}
+    torch.testing.assert_close(gemv.linear_gemv(x[:, :k], w, cfg), x[:, :k] @ w.T, rtol=1e-5, atol=1e-5)
+    gate, up = x.chunk(2, dim=-1)
+    want = (F.silu(gate) * up) @ w.T
+    torch.testing.assert_close(gemv.linear_gemv(x, w, cfg, silu_mul=True), want, rtol=1e-5, atol=1e-5)
+    gu = torch.cat([w, w.flip(0)])  # a gate/up pair
+    y = gemv.linear_gemv(x[:, :k], gu, {**cfg, "block_n": 2}, swiglu=True)
+    g, u = (x[:, :k] @ gu.T).chunk(2, dim=-1)
+    torch.testing.assert_close(y, F.silu(g) * u, rtol=1e-5, atol=1e-5)
+    rows = torch.randn(3, k, generator=gen)
+    torch.testing.assert_close(gemv.linear_gemv(rows, w, cfg), rows @ w.T, rtol=1e-5, atol=1e-5)
+    assert [launch["ACC_2D"] for launch in launches] == [True, True, True, False]
+
+
+def test_rlt_gemv_config_sets_the_defaults_under_a_callers_config(interpret, launches, monkeypatch):
+    x, w = torch.randn(1, 40), torch.randn(8, 40)
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d=1, block_k=16")
+    torch.testing.assert_close(gemv.linear_gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv.linear_gemv(x, w, {"acc_2d": False}), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert [(launch["ACC_2D"], launch["BLOCK_K"]) for launch in launches] == [(True, 16), (False, 16)]
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc2d=1")
+    with pytest.raises(ValueError, match="unknown GEMV config keys"):
+        gemv.linear_gemv(x, w)
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d")
+    with pytest.raises(ValueError, match="RLT_GEMV_CONFIG must be key=int"):
+        gemv.linear_gemv(x, w)
+
+
 def test_one_row_tiles_follow_the_weight_row_length(monkeypatch):
     """2-column programs; 1024-long runs of the weight row, 2048-long from rows of 4096 on unless
     that splits a grid resident at once (16 programs per SM) into two waves (10 per SM)."""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rlt_compile import envs
 from rlt_compile.kernels.launch import (
     interpreter_scope,
     is_interpreted,
@@ -40,6 +41,7 @@ from rlt_compile.kernels.launch import (
 from rlt_compile.kernels.reference import apply_rope_half
 
 __all__ = [
+    "CONFIG_KEYS",
     "MAX_ROWS",
     "RopeColumns",
     "gemv_config",
@@ -60,6 +62,12 @@ MAX_ROWS = 16
 # tl.dot tile ran 1.1-1.6x slower than cuBLAS at 2-8 rows on Nanbeige's linears, and a dot-free
 # multiply + sum broadcast over 2-4 rows 1.8-6.5x slower (docs/benchmarks.md, session 6).
 OP_MAX_ROWS = 1
+# The rotary epilogue's cos/sin load with the activations, right after the PDL wait, instead of after
+# the loop (a dependent memory round trip at the kernel's tail). The old order stays selectable for
+# A/B runs (benchmarks/gemv_chain_bench.py --variants).
+_EARLY_ROPE = True
+# Keys of ``linear_gemv``'s ``config`` and of ``RLT_GEMV_CONFIG`` (``gemv_config`` gives the defaults).
+CONFIG_KEYS = frozenset({"block_n", "block_k", "warps", "stages", "prefetch", "dot", "acc_2d"})
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -87,6 +95,8 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     ROPE_HALF: tl.constexpr,
     SWIGLU: tl.constexpr,
+    EARLY_ROPE: tl.constexpr,
+    ACC_2D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
@@ -112,28 +122,36 @@ def _gemv_kernel(
     if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if (ROPE_HALF > 0) & EARLY_ROPE:  # with the activations, not after the loop: one round trip fewer
+        cos, sin = _rope_factors(offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    if BLOCK_M == 1:
+    if ACC_2D:  # one row: per-lane fp32 partial products, reduced once after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     start = 0
     if PREFETCH:
         x = _activations(x_rows, offs_k, mask_m[:, None] & (offs_k[None, :] < K), up_offset, SILU_MUL)
-        acc += _tile_product(x, w_first, USE_DOT)
+        acc += _tile_product(x, w_first, USE_DOT, ACC_2D)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = _activations(x_rows, kk, mask_m[:, None] & mask_k[None, :], up_offset, SILU_MUL)
-        acc += _tile_product(x, w, USE_DOT)
+        acc += _tile_product(x, w, USE_DOT, ACC_2D)
+    if ACC_2D:
+        acc = tl.sum(acc, axis=1)
     if BLOCK_M == 1:
         out = acc.to(y_ptr.dtype.element_ty)
         if ROPE_HALF > 0:
-            out = tl.where(in_rope, _rotate_pairs(out, offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N), out)
+            if not EARLY_ROPE:
+                cos, sin = _rope_factors(offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N)
+            out = tl.where(in_rope, _rotate_pairs(out, cos, sin, BLOCK_N), out)
         if SWIGLU:
             gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
             offs_y = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -146,15 +164,21 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _rotate_pairs(y, cols, cos_ptr, sin_ptr, ROPE_HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rope_factors(cols, cos_ptr, sin_ptr, ROPE_HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cos/sin ``[BLOCK_N // 2]`` of the program's output column pairs ``(d, d + half)``: a
+    pair's frequency index (outside the rotary columns any in-bounds index; the result is discarded)."""
+    j, _ = tl.split(tl.reshape(cols % ROPE_HALF, [BLOCK_N // 2, 2]))
+    return tl.load(cos_ptr + j), tl.load(sin_ptr + j)
+
+
+@triton.jit
+def _rotate_pairs(y, cos, sin, BLOCK_N: tl.constexpr):
     """Rotate-half rotary on one row's output columns, laid out as pairs ``(d, d + half)`` of a
     head: ``(a, b) -> (a cos - b sin, b cos + a sin)`` in fp32 on the rounded outputs with cos/sin
     rounded to the output dtype (the model's ``apply_rope_half`` as Inductor computes it), rounded
     once."""
     lo, hi = tl.split(tl.reshape(y.to(tl.float32), [BLOCK_N // 2, 2]))
-    # a pair's frequency index; outside [lo, hi) any in-bounds index (the result is discarded)
-    j, _ = tl.split(tl.reshape(cols % ROPE_HALF, [BLOCK_N // 2, 2]))
-    a, b = _rotate(lo, hi, tl.load(cos_ptr + j), tl.load(sin_ptr + j), y.dtype)
+    a, b = _rotate(lo, hi, cos, sin, y.dtype)
     return tl.reshape(tl.join(a, b), [BLOCK_N]).to(y.dtype)
 
 
@@ -169,12 +193,15 @@ def _rotate(a, b, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(x, w, USE_DOT: tl.constexpr):
+def _tile_product(x, w, USE_DOT: tl.constexpr, ACC_2D: tl.constexpr):
     """``x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T`` in fp32: one row as a ``[BLOCK_N]`` multiply +
     sum (no ``tl.dot``: its 16-row padding and shared-memory staging cost more than the weight read
-    at one row), more rows as ``tl.dot`` on a 16-row tile."""
+    at one row), or with ``ACC_2D`` the ``[BLOCK_N, BLOCK_K]`` products, summed by the caller after
+    its loop; more rows as ``tl.dot`` on a 16-row tile."""
     if USE_DOT:
         product = tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+    elif ACC_2D:
+        product = w.to(tl.float32) * x.to(tl.float32)
     else:
         product = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
     return product
@@ -261,10 +288,11 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
-    ``block_n x block_k``."""
+    ``block_n x block_k``. ``acc_2d`` (off, not yet timed): one row sums its products once after
+    its loop instead of per tile, so no reduction and barrier sit between its weight loads."""
     dot = m > 1
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
-        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot}
+        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot, "acc_2d": False}
     if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
         block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
     elif dtype == torch.float32:
@@ -272,7 +300,15 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     else:
         block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return {"block_n": block_n, "block_k": block_k, "warps": 4, "stages": 3, "prefetch": True, "dot": dot}
+    return {
+        "block_n": block_n,
+        "block_k": block_k,
+        "warps": 4,
+        "stages": 3,
+        "prefetch": True,
+        "dot": dot,
+        "acc_2d": False,
+    }
 
 
 # Resident one-row programs per SM on sm_90 (kernels/aot.py): 1024-long runs use ~31 registers, so the
@@ -400,7 +436,13 @@ def linear_gemv(
     m = x2.shape[0]
     n, k = weight.shape
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
-    cfg.update(config or {})
+    overrides = {**envs.rlt_gemv_config(), **(config or {})}
+    if set(overrides) - CONFIG_KEYS:
+        raise ValueError(
+            f"unknown GEMV config keys {sorted(set(overrides) - CONFIG_KEYS)} (config or RLT_GEMV_CONFIG); "
+            f"valid: {sorted(CONFIG_KEYS)}"
+        )
+    cfg.update(overrides)
     use_dot = bool(cfg["dot"])
     if m > 1 and not use_dot:
         raise ValueError(f"linear_gemv: {m} rows need the tl.dot tile (config dot=True); only one row runs without it")
@@ -440,6 +482,8 @@ def linear_gemv(
             USE_DOT=use_dot,
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             SWIGLU=swiglu,
+            EARLY_ROPE=_EARLY_ROPE,
+            ACC_2D=bool(cfg["acc_2d"]) and not use_dot,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
