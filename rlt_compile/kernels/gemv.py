@@ -292,23 +292,16 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     its loop instead of per tile, so no reduction and barrier sit between its weight loads."""
     dot = m > 1
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
-        return {"block_n": 16, "block_k": 32, "warps": 4, "stages": 1, "prefetch": True, "dot": dot, "acc_2d": False}
-    if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
-        block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
-    elif dtype == torch.float32:
-        block_n, block_k = 2, 256
+        block_n, block_k, stages = 16, 32, 1
     else:
-        block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return {
-        "block_n": block_n,
-        "block_k": block_k,
-        "warps": 4,
-        "stages": 3,
-        "prefetch": True,
-        "dot": dot,
-        "acc_2d": False,
-    }
+        if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
+            block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
+        elif dtype == torch.float32:
+            block_n, block_k = 2, 256
+        else:
+            block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
+        block_k, stages = min(block_k, max(16, triton.next_power_of_2(k))), 3
+    return dict(block_n=block_n, block_k=block_k, warps=4, stages=stages, prefetch=True, dot=dot, acc_2d=False)
 
 
 # Resident one-row programs per SM on sm_90 (kernels/aot.py): 1024-long runs use ~31 registers, so the
@@ -437,10 +430,10 @@ def linear_gemv(
     n, k = weight.shape
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
     overrides = {**envs.rlt_gemv_config(), **(config or {})}
-    if set(overrides) - CONFIG_KEYS:
+    unknown = set(overrides) - CONFIG_KEYS
+    if unknown:
         raise ValueError(
-            f"unknown GEMV config keys {sorted(set(overrides) - CONFIG_KEYS)} (config or RLT_GEMV_CONFIG); "
-            f"valid: {sorted(CONFIG_KEYS)}"
+            f"unknown GEMV config keys {sorted(unknown)} (config or RLT_GEMV_CONFIG); valid: {sorted(CONFIG_KEYS)}"
         )
     cfg.update(overrides)
     use_dot = bool(cfg["dot"])
