@@ -127,8 +127,8 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    if ACC_2D:  # one row: per-lane fp32 partial products, reduced once after the loop
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if ACC_2D:  # one row: each lane's fp32 partial sums, reduced across lanes once after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     elif BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     else:
@@ -196,12 +196,14 @@ def _rotate(a, b, cos, sin, dtype: tl.constexpr):
 def _tile_product(x, w, USE_DOT: tl.constexpr, ACC_2D: tl.constexpr):
     """``x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T`` in fp32: one row as a ``[BLOCK_N]`` multiply +
     sum (no ``tl.dot``: its 16-row padding and shared-memory staging cost more than the weight read
-    at one row), or with ``ACC_2D`` the ``[BLOCK_N, BLOCK_K]`` products, summed by the caller after
-    its loop; more rows as ``tl.dot`` on a 16-row tile."""
+    at one row), or with ``ACC_2D`` the ``[BLOCK_N, BLOCK_K // 8]`` sums of 8 consecutive products
+    (what one 16-byte load gives a lane: no cross-lane reduction), summed by the caller after its
+    loop; more rows as ``tl.dot`` on a 16-row tile."""
     if USE_DOT:
         product = tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
-    elif ACC_2D:
+    elif ACC_2D:  # each lane's 8 consecutive products (one 16-byte load) summed in its registers
         product = w.to(tl.float32) * x.to(tl.float32)
+        product = tl.sum(tl.reshape(product, [product.shape[0], product.shape[1] // 8, 8]), axis=2)
     else:
         product = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
     return product
@@ -288,8 +290,9 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
-    ``block_n x block_k``. ``acc_2d`` (off, not yet timed): one row sums its products once after
-    its loop instead of per tile, so no reduction and barrier sit between its weight loads."""
+    ``block_n x block_k``. ``acc_2d`` (off, not yet timed): one row reduces across lanes once after
+    its loop instead of per tile, so no reduction and barrier sit between its weight loads (sm_90:
+    30-32 registers, as without it)."""
     dot = m > 1
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         block_n, block_k, stages = 16, 32, 1
@@ -476,7 +479,7 @@ def linear_gemv(
             ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
             SWIGLU=swiglu,
             EARLY_ROPE=_EARLY_ROPE,
-            ACC_2D=bool(cfg["acc_2d"]) and not use_dot,
+            ACC_2D=bool(cfg["acc_2d"]) and not use_dot and cfg["block_k"] >= 8,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
