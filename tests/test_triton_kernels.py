@@ -476,20 +476,27 @@ def test_decode_split_grain_matches_reference(heads, fuse_reduce, splits):
     check_attention(case, splits, fused=True, config=config)
 
 
-@pytest.mark.parametrize(("grain", "active"), [(None, [0, 2]), (16, [3, 7]), (32, [2, 4])])
-def test_decode_split_grain_spreads_a_short_context_over_more_splits(monkeypatch, grain, active):
-    """Which splits write a partial (fused merge, 8 splits, 64-key tiles): a lone split with keys
-    writes the output directly. 41 and 101 keys make 1 and 2 tiles of 64, but 3 and 7 runs of 16."""
-    partial_lse = []
+@pytest.fixture
+def partial_lse(monkeypatch):
+    """The split partials' log-sum-exp buffers ``[splits, T, H]`` the launcher allocates, NaN-filled
+    (a split that writes none leaves NaN)."""
+    buffers = []
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
         out = real_empty(*args, **kwargs)
-        if out.dtype == torch.float32 and out.dim() == 3:  # the split partials' log-sum-exps
-            partial_lse.append(out.fill_(float("nan")))
+        if out.dtype == torch.float32 and out.dim() == 3:
+            buffers.append(out.fill_(float("nan")))
         return out
 
     monkeypatch.setattr(triton_attention.torch, "empty", empty)
+    return buffers
+
+
+@pytest.mark.parametrize(("grain", "active"), [(None, [0, 2]), (16, [3, 7]), (32, [2, 4])])
+def test_decode_split_grain_spreads_a_short_context_over_more_splits(partial_lse, grain, active):
+    """Which splits write a partial (fused merge, 8 splits, 64-key tiles): a lone split with keys
+    writes the output directly. 41 and 101 keys make 1 and 2 tiles of 64, but 3 and 7 runs of 16."""
     case = make_case([1, 1], [40, 100], 4, 4, 16, 16, torch.float32, seed=9)
     config = {"block_n": 64, "split_grain": grain, "fuse_reduce": True}
     check_attention(case, 8, fused=True, config=config)
@@ -498,24 +505,14 @@ def test_decode_split_grain_spreads_a_short_context_over_more_splits(monkeypatch
 
 
 @pytest.mark.parametrize(("grain", "splits"), [(None, 4), (16, 8)])
-def test_decode_split_count_is_capped_at_the_tables_runs_of_the_grain(monkeypatch, grain, splits):
+def test_decode_split_count_is_capped_at_the_tables_runs_of_the_grain(partial_lse, grain, splits):
     """Where the split count is capped by the block table (here the interpreter; on a GPU the reduce
     kernel's path), it counts runs of ``split_grain`` positions: 208 positions are 4 tiles of 64 but
     13 runs of 16 (64 SMs off the GPU: the heuristic asks for 64 splits)."""
-    shapes = []
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.dtype == torch.float32 and out.dim() == 3:
-            shapes.append(tuple(out.shape))
-        return out
-
-    monkeypatch.setattr(triton_attention.torch, "empty", empty)
     case = make_case([1], [200], 6, 2, 16, 16, torch.float32, seed=10)
     assert case[4].block_tables.shape[1] == 13
     check_attention(case, None, fused=True, config={"block_n": 64, "split_grain": grain, "fuse_reduce": False})
-    assert shapes == [(splits, 1, 6)]
+    assert [tuple(lse.shape) for lse in partial_lse] == [(splits, 1, 6)]
 
 
 @pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
