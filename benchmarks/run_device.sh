@@ -307,7 +307,8 @@ if [[ $what == final || $what == pending39 || $what == pending47 || $what == pen
   # a session's final tree (session 14: pending39, session 15: pending47, session 17: pending59): GPU tests
   # (logs in $OUT), then the four models and the attention table (issues 3, 4)
   timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
-    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_gemv.py tests/test_fuse_rmsnorm.py \
+    tests/test_fuse_rope_gemv.py > "$OUT/gpu_tests.log" 2>&1
   tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
