@@ -28,7 +28,8 @@ descriptor (``.vgpr_count``, ``.private_segment_fixed_size``, ...) in the amdgcn
 
 CLI: ``python -m rlt_compile.kernels.aot --target gfx950 [--target sm_90 ...]`` prints the table;
 ``--pdl 2`` builds the variants with the PDL prologue that an H200 launches (``RLT_ATTENTION_CONFIG``
-applies as on a GPU).
+and ``RLT_GEMV_CONFIG`` apply as on a GPU); ``--sass DIR`` writes each CUDA kernel's SASS there and
+prints its ``memory_order`` (global loads and stores, the PDL wait and barriers in program order).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import itertools
 import math
 import pkgutil
 import re
@@ -48,6 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -618,9 +621,11 @@ def _private_cache():
         yield
 
 
-def compile_specialisation(spec: Specialisation, kind: str, arch: str, target=None) -> KernelReport:
+def compile_specialisation(spec: Specialisation, kind: str, arch: str, target=None, sass: bool = False) -> KernelReport:
     """Compile one specialisation for ``kind``/``arch`` (in a throw-away Triton cache, so the compile
-    really runs and its ptxas log is captured); failures are reported, not raised."""
+    really runs and its ptxas log is captured); failures are reported, not raised. ``sass`` (CUDA):
+    also disassemble the cubin into ``extra["sass"]`` and its ``memory_order`` into
+    ``extra["memory_order"]``."""
     import triton
     from triton.compiler import ASTSource
 
@@ -642,7 +647,51 @@ def compile_specialisation(spec: Specialisation, kind: str, arch: str, target=No
     report.compile_s = time.perf_counter() - start
     report.ok = True
     _fill_metadata(report, kernel, log.getvalue(), target.arch)
+    if sass and kind == "cuda":
+        report.extra["sass"] = disassemble(kernel.asm["cubin"])
+        report.extra["memory_order"] = memory_order(report.extra["sass"])
     return report
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin, through the ``nvdisasm`` that ships in the Triton wheel."""
+    import subprocess
+
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+_SASS_MEMORY_OPS = (
+    ("ACQBULK", "WAIT"),  # griddepcontrol.wait: the PDL wait
+    ("LDGSTS", "LDGSTS"),
+    ("LDG", "LDG"),
+    ("STG", "STG"),
+    ("ATOM", "ATOM"),
+    ("RED", "ATOM"),
+    ("BAR.SYNC", "BAR"),
+)
+
+
+def memory_order(sass: str) -> str:
+    """The global memory accesses, PDL wait and barriers of a kernel's SASS in program order, runs
+    collapsed: ``"LDG*2 WAIT LDG*2 BAR BAR STG"``. A load that follows a ``BAR`` though its address
+    does not depend on the reduction before it costs a memory round trip of its own at batch 1."""
+    tokens: list[str] = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if not match:
+            continue
+        op = match.group(1)
+        token = next((name for prefix, name in _SASS_MEMORY_OPS if op.startswith(prefix)), None)
+        if token:
+            tokens.append(token)
+    runs = [(token, len(list(group))) for token, group in itertools.groupby(tokens)]
+    return " ".join(token if n == 1 else f"{token}*{n}" for token, n in runs)
 
 
 def compile_for(
@@ -656,6 +705,7 @@ def compile_for(
     pdl: int = 0,
     specs: Sequence[Specialisation] | None = None,
     executor: Executor | None = None,
+    sass: bool = False,
 ) -> list[KernelReport]:
     """Compile every kernel specialisation for a target, ahead of time, without a GPU.
 
@@ -663,6 +713,7 @@ def compile_for(
     named target of :data:`TARGETS` ("gfx950"). The dot precision of each dtype is
     ``Platform.mock(kind, arch=arch).dot_precision(dtype)`` unless ``precision`` overrides it.
     ``pdl``: the kernels' PDL mode (``USE_PDL``; 0 by default, as on ``meta`` tensors; an H200 runs 2).
+    ``sass``: disassemble each CUDA kernel (``compile_specialisation``).
     ``executor``: a process pool (``new_executor``) to compile in parallel; compiles hold the GIL and
     capture the ptxas log from stdout, so threads do not work. Returns one :class:`KernelReport` per
     distinct specialisation (``ok`` False with ``error`` when the compiler rejected it)."""
@@ -672,8 +723,9 @@ def compile_for(
     if specs is None:
         specs = specialisations(p, target, workloads, dtypes, modes, precision, pdl)
     if executor is not None:
-        return list(executor.map(compile_specialisation, specs, [kind] * len(specs), [arch] * len(specs)))
-    return [compile_specialisation(s, kind, arch, target) for s in specs]
+        n = len(specs)
+        return list(executor.map(compile_specialisation, specs, [kind] * n, [arch] * n, [None] * n, [sass] * n))
+    return [compile_specialisation(s, kind, arch, target, sass) for s in specs]
 
 
 def new_executor(jobs: int | None = None) -> Executor:
@@ -724,6 +776,16 @@ def format_table(reports: Sequence[KernelReport]) -> str:
     return "\n".join(lines)
 
 
+def _write_sass(reports: Sequence[KernelReport], out: Path) -> None:
+    """Each disassembled report's SASS as ``out/<kernel>-<n>.sass``, and its memory order printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    for n, report in enumerate(r for r in reports if "sass" in r.extra):
+        name = f"{report.spec.kernel.rsplit('.', 1)[-1].lstrip('_')}-{n}"
+        (out / f"{name}.sass").write_text(report.extra["sass"])
+        constexprs = " ".join(f"{k}={v}" for k, v in report.spec.named_constexprs().items())
+        print(f"{name}  {constexprs}\n    {report.extra['memory_order']}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", action="append", help=f"named target ({', '.join(TARGETS)}) or kind:arch")
@@ -734,6 +796,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     parser.add_argument(
         "--pdl", type=int, default=0, choices=(0, 1, 2), help="USE_PDL of every kernel (an H200 launches 2)"
+    )
+    parser.add_argument(
+        "--sass", type=Path, metavar="DIR", help="CUDA: write each kernel's SASS there and print its memory order"
     )
     args = parser.parse_args(argv)
     by_name = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -753,8 +818,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 precision=args.precision,
                 pdl=args.pdl,
                 executor=executor,
+                sass=args.sass is not None,
             )
             print(format_table(reports), end="\n\n")
+            if args.sass is not None:
+                _write_sass(reports, args.sass / arch)
             failed += sum(not r.fits for r in reports)
     return 1 if failed else 0
 

@@ -1,0 +1,97 @@
+"""The decode chain's load order in its sm_90 SASS, compiled ahead of time on the CPU (no GPU).
+
+At batch-1 decode each kernel of the layer chain is latency-bound: after its PDL wait it should issue
+every global load that does not depend on a reduction before the first barrier, or it waits for one
+more memory round trip. ``aot.memory_order`` lists a kernel's global accesses, PDL wait (``WAIT``) and
+barriers (``BAR``) in program order; these tests pin the orders docs/benchmarks.md (session 18)
+records, for the variants an H200 launches (PDL mode 2, Ouro-1.4B's shapes, bf16).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from rlt_compile.kernels import aot, gemv, rmsnorm
+from rlt_compile.platform import Platform
+
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+pytestmark = pytest.mark.skipif(not NVDISASM.exists(), reason="this Triton wheel ships no nvdisasm")
+
+
+def _orders(kernel: str, **constexprs) -> list[str]:
+    """The memory orders of the sm_90 decode specialisations of ``kernel`` with these constexprs."""
+    specs = aot.specialisations(
+        Platform.mock("cuda", arch="sm_90"), None, aot.WORKLOADS[:1], (torch.bfloat16,), ("decode",), pdl=2
+    )
+    chosen = [
+        s
+        for s in specs
+        if s.kernel.endswith(kernel) and all(s.named_constexprs().get(k) == v for k, v in constexprs.items())
+    ]
+    assert chosen, (kernel, constexprs)
+    return [aot.compile_specialisation(s, "cuda", "sm_90", sass=True).extra["memory_order"] for s in chosen]
+
+
+def _after_wait(order: str) -> list[str]:
+    """The tokens after the PDL wait, runs expanded (``BAR*2`` -> ``BAR BAR``)."""
+    tokens = []
+    for token in order.split("WAIT", 1)[1].split():
+        name, _, count = token.partition("*")
+        tokens += [name] * int(count or 1)
+    return tokens
+
+
+def _loads_before_first_barrier(order: str) -> int:
+    """The global loads a kernel issues between its PDL wait and the first barrier after it."""
+    tokens = _after_wait(order)
+    return tokens[: tokens.index("BAR") if "BAR" in tokens else len(tokens)].count("LDG")
+
+
+def test_memory_order_collapses_runs_in_program_order():
+    sass = """
+        /*0010*/                   LDG.E.128 R8, desc[UR10][R2.64] ;
+        /*0020*/              @!P2 LDG.E.128 R4, desc[UR10][R12.64] ;
+        /*0030*/                   ACQBULK ;
+        /*0040*/                   FADD R1, R2, R3 ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R6], desc[UR10][R12.64], P4 ;
+        /*0070*/                   ATOMG.E.ADD.STRONG.GPU PT, R5, desc[UR10][R2.64], R7 ;
+        /*0080*/               @P0 STG.E.U16 desc[UR10][R2.64], R23 ;
+    """
+    assert aot.memory_order(sass) == "LDG*2 WAIT BAR LDGSTS ATOM STG"
+
+
+def test_sandwich_norm_loads_its_input_and_residual_rows_before_its_first_barrier(monkeypatch):
+    """Ouro's add_rmsnorm2 (``h = r + norm_a(y)``): ``y`` and ``r`` in one round trip (the residual
+    used to follow norm a's reduction, as it still does with ``_EARLY_RESIDUAL`` off)."""
+    (order,) = _orders("_fused_rmsnorm_kernel", RESIDUAL=2)
+    assert _loads_before_first_barrier(order) == 2, order
+    monkeypatch.setattr(rmsnorm, "_EARLY_RESIDUAL", False)
+    (order,) = _orders("_fused_rmsnorm_kernel", RESIDUAL=2)
+    assert _loads_before_first_barrier(order) == 1, order
+
+
+def test_rotary_gemv_loads_cos_and_sin_with_its_input(monkeypatch):
+    (order,) = _orders("_gemv_kernel", ROPE_HALF=64)
+    assert _loads_before_first_barrier(order) == 3, order  # x, cos, sin
+    monkeypatch.setattr(gemv, "_EARLY_ROPE", False)
+    (order,) = _orders("_gemv_kernel", ROPE_HALF=64)
+    assert _loads_before_first_barrier(order) == 1, order
+
+
+def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_one_barrier(monkeypatch):
+    """One-row GEMVs reduce each K tile behind a barrier, so the second weight tile's loads wait for
+    the first tile's reduction; with ``acc_2d`` every load comes before the single reduction."""
+    for order in _orders("_gemv_kernel", BLOCK_M=1, ROPE_HALF=0, SILU_MUL=False):
+        tokens = _after_wait(order)  # x, a reduction, the second tile, its reduction
+        assert "LDG" in tokens[tokens.index("BAR") :], order
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d=1")
+    orders = _orders("_gemv_kernel", BLOCK_M=1, ACC_2D=True)
+    assert len(orders) == 4  # plain, SiLU prologue, rotary, SwiGLU epilogue
+    for order in orders:
+        tokens = _after_wait(order)
+        assert tokens[-2:] == ["BAR", "STG"] and tokens.count("BAR") == 1, order
