@@ -146,9 +146,11 @@ def variant_candidates():
     yield "model epilogues", {"variant": model}
     yield "model epilogues, norm residual loaded after norm a", {"variant": {**model, "late_residual": True}}
     yield "model epilogues, rope cos/sin loaded after the loop", {"variant": {**model, "late_rope": True}}
+    old_attention = {"attention": {"early_q": 0}}  # split 0: k, its store, v, its store, then q
+    yield "model epilogues, attention q loaded after the KV row's stores", {"variant": {**model, **old_attention}}
     yield (
-        "model epilogues, both loaded late (the order before session 18)",
-        {"variant": {**model, "late_residual": True, "late_rope": True}},
+        "model epilogues, all three loaded late (the chain before session 18)",
+        {"variant": {**model, "late_residual": True, "late_rope": True, **old_attention}},
     )
     acc = {"acc_2d": True}
     yield "model epilogues, gemv acc_2d", {**acc, "variant": {**model, "qkv": acc, "gate_up": acc}}

@@ -625,23 +625,26 @@ if [[ $what == pending64 ]]; then
   grep -E "\| (default|split_grain|block_n=16)" "$OUT/sweep_grain.md"
 fi
 if [[ $what == pending65 ]]; then
-  # prepared in session 18 (issue 4), offline SASS: two dependent memory round trips removed from the chain's
+  # prepared in session 18 (issue 4), offline SASS: dependent memory round trips removed from the chain's
   # kernels, now the default: Ouro's sandwich norm (add_rmsnorm2) loaded its residual row only after norm
-  # a's reduction, and the q/k/v GEMV's rotary epilogue its cos/sin only after the K loop; both now load
-  # with the activations, right after the PDL wait. And a candidate, off: acc_2d (one-row GEMVs sum their
+  # a's reduction, the q/k/v GEMV's rotary epilogue its cos/sin only after the K loop, and the decode
+  # attention's split 0 its q only after storing the K/V row (early_q); all now load with the
+  # activations, right after the PDL wait. And a candidate, off: acc_2d (one-row GEMVs sum their
   # products once after the loop, so no reduction and barrier sits between their weight loads).
-  # GPU parity, the chain A/B (the compiled model's epilogues; both old orders; acc_2d), then all four
-  # models end to end, then acc_2d end to end (~8 min)
+  # GPU parity, the chain A/B (the compiled model's epilogues; the old orders; acc_2d), then Ouro-1.4B
+  # and Nanbeige end to end with and without acc_2d, Ouro-1.4B with early_q=0 (~7 min; `final` runs all four)
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fuse_rmsnorm.py tests/test_gemv.py \
     tests/test_fuse_rope_gemv.py tests/test_pdl.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --only "model epilogues" 2>&1 \
     | grep -E "^\| model"
-  timeout 200 python3 -m rlt_compile.bench --model all --eager-steps 0 --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   for cfg in acc_2d=1 ""; do
     echo "== RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 100 python3 -m rlt_compile.bench --model ouro-1.4b,nanbeige4.2-3b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
+  echo "== RLT_ATTENTION_CONFIG=early_q=0 (the decode attention's load order before session 18)"
+  RLT_ATTENTION_CONFIG=early_q=0 timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+    --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
 fi
 exit 0

@@ -22,10 +22,11 @@ NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdis
 pytestmark = pytest.mark.skipif(not NVDISASM.exists(), reason="this Triton wheel ships no nvdisasm")
 
 
-def _orders(kernel: str, **constexprs) -> list[str]:
-    """The memory orders of the sm_90 decode specialisations of ``kernel`` with these constexprs."""
+def _orders(kernel: str, mode: str = "decode", **constexprs) -> list[str]:
+    """The memory orders of the sm_90 specialisations of ``kernel`` (Ouro-1.4B's shapes, bf16,
+    ``mode``) with these constexprs."""
     specs = aot.specialisations(
-        Platform.mock("cuda", arch="sm_90"), None, aot.WORKLOADS[:1], (torch.bfloat16,), ("decode",), pdl=2
+        Platform.mock("cuda", arch="sm_90"), None, aot.WORKLOADS[:1], (torch.bfloat16,), (mode,), pdl=2
     )
     chosen = [
         s
@@ -45,10 +46,11 @@ def _after_wait(order: str) -> list[str]:
     return tokens
 
 
-def _loads_before_first_barrier(order: str) -> int:
-    """The global loads a kernel issues between its PDL wait and the first barrier after it."""
+def _loads_right_after_wait(order: str) -> int:
+    """The global loads a kernel issues after its PDL wait before anything else (a barrier, a store):
+    the loads in flight together in its first round trip."""
     tokens = _after_wait(order)
-    return tokens[: tokens.index("BAR") if "BAR" in tokens else len(tokens)].count("LDG")
+    return next((i for i, token in enumerate(tokens) if token != "LDG"), len(tokens))
 
 
 def test_memory_order_collapses_runs_in_program_order():
@@ -56,7 +58,8 @@ def test_memory_order_collapses_runs_in_program_order():
         /*0010*/                   LDG.E.128 R8, desc[UR10][R2.64] ;
         /*0020*/              @!P2 LDG.E.128 R4, desc[UR10][R12.64] ;
         /*0030*/                   ACQBULK ;
-        /*0040*/                   FADD R1, R2, R3 ;
+        /*0040*/                   REDUX.SUM.S32 UR7, R2 ;
+        /*0048*/                   ATOMS.ADD R1, [R2], R3 ;
         /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0060*/                   LDGSTS.E.BYPASS.128 [R6], desc[UR10][R12.64], P4 ;
         /*0070*/                   ATOMG.E.ADD.STRONG.GPU PT, R5, desc[UR10][R2.64], R7 ;
@@ -69,18 +72,18 @@ def test_sandwich_norm_loads_its_input_and_residual_rows_before_its_first_barrie
     """Ouro's add_rmsnorm2 (``h = r + norm_a(y)``): ``y`` and ``r`` in one round trip (the residual
     used to follow norm a's reduction, as it still does with ``_EARLY_RESIDUAL`` off)."""
     (order,) = _orders("_fused_rmsnorm_kernel", RESIDUAL=2)
-    assert _loads_before_first_barrier(order) == 2, order
+    assert _loads_right_after_wait(order) == 2, order
     monkeypatch.setattr(rmsnorm, "_EARLY_RESIDUAL", False)
     (order,) = _orders("_fused_rmsnorm_kernel", RESIDUAL=2)
-    assert _loads_before_first_barrier(order) == 1, order
+    assert _loads_right_after_wait(order) == 1, order
 
 
 def test_rotary_gemv_loads_cos_and_sin_with_its_input(monkeypatch):
     (order,) = _orders("_gemv_kernel", ROPE_HALF=64)
-    assert _loads_before_first_barrier(order) == 3, order  # x, cos, sin
+    assert _loads_right_after_wait(order) == 3, order  # x, cos, sin
     monkeypatch.setattr(gemv, "_EARLY_ROPE", False)
     (order,) = _orders("_gemv_kernel", ROPE_HALF=64)
-    assert _loads_before_first_barrier(order) == 1, order
+    assert _loads_right_after_wait(order) == 1, order
 
 
 def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_one_barrier(monkeypatch):
@@ -95,3 +98,14 @@ def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_one_barrier(mon
     for order in orders:
         tokens = _after_wait(order)
         assert tokens[-2:] == ["BAR", "STG"] and tokens.count("BAR") == 1, order
+
+
+def test_decode_attention_loads_q_and_the_written_kv_row_together(monkeypatch):
+    """Split 0 of the fused-write decode kernel (batch-1 Ouro: 32 splits, the merge fused) loads q
+    and this token's K/V row in one round trip and stores the row when it leaves; ``early_q=0`` is the
+    order before session 18 (load k, store it, load v, store it, then q)."""
+    (order,) = _orders("_paged_attention_decode_kernel", "decode-split", NUM_SPLITS=32)
+    assert _loads_right_after_wait(order) == 3, order
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "early_q=0")
+    (order,) = _orders("_paged_attention_decode_kernel", "decode-split", NUM_SPLITS=32)
+    assert _after_wait(order)[:4] == ["LDG", "STG", "LDG", "STG"], order

@@ -476,6 +476,24 @@ def test_decode_split_grain_matches_reference(heads, fuse_reduce, splits):
     check_attention(case, splits, fused=True, config=config)
 
 
+@pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_fused_write_in_either_load_order_matches_reference(heads, splits):
+    """``early_q`` (default: q and the written K/V row in one round trip, the row stored when split 0
+    leaves) and ``early_q=0`` (the order before session 18) write the same cache and outputs;
+    padding token rows and padding sequences included."""
+    case = make_case([1] * 4, [3, 15, 40, 0], *DECODE_HEADS[heads], 16, 16, torch.float32, pad_tokens=1, pad_seqs=1)
+    assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
+    used = set(case[4].block_tables.flatten().tolist())
+    spare = next(b for b in range(case[3].shape[1]) if b not in used)
+    case[4].slot_mapping[4] = spare * 16 + 3  # a padding row that writes (a scratch slot) is written too
+    outs = []
+    for early_q in (True, False):
+        q, k, v, cache, md = (x.clone() if torch.is_tensor(x) else x for x in case)
+        outs.append(check_attention((q, k, v, cache, md), splits, fused=True, config={"early_q": early_q}))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.fixture
 def partial_lse(monkeypatch):
     """The split partials' log-sum-exp buffers ``[splits, T, H]`` the launcher allocates, NaN-filled
@@ -795,7 +813,7 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     configs += [{"fuse_reduce": True, "splits": 64, "early_exit": True}]  # empty splits leave before the wait
-    configs += [{"split_grain": 16}, {"split_grain": 16, "splits": 32, "fuse_reduce": True}]
+    configs += [{"split_grain": 16}, {"split_grain": 16, "splits": 32, "fuse_reduce": True}, {"early_q": False}]
     for config in configs:
         check_attention(case, None, tol=tol, config=config, fused=fused)
 

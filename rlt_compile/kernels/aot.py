@@ -671,8 +671,9 @@ _SASS_MEMORY_OPS = (
     ("LDGSTS", "LDGSTS"),
     ("LDG", "LDG"),
     ("STG", "STG"),
-    ("ATOM", "ATOM"),
-    ("RED", "ATOM"),
+    ("ATOMG", "ATOM"),  # global atomics (ATOMS is shared memory)
+    ("ATOM.", "ATOM"),
+    ("RED.", "ATOM"),  # a global reduction (REDUX is a warp reduction in registers)
     ("BAR.SYNC", "BAR"),
 )
 

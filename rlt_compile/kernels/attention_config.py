@@ -164,7 +164,10 @@ def _decode_tile_config(
     the PDL wait instead of after it. ``split_grain`` (not yet timed; default ``block_n``): the
     context is dealt to the splits in runs of this many positions, so with a smaller grain than the
     tile a short context spreads over more splits (at 128 positions and 64-key tiles: 8 splits of 16
-    keys instead of 2 of 64, as 16-key tiles do) while long contexts keep the wide tile. Checked with
+    keys instead of 2 of 64, as 16-key tiles do) while long contexts keep the wide tile. ``early_q``
+    (session 18, from the SASS, not yet timed): q and the fused write's K/V rows load together right
+    after the PDL wait (0: split 0 loaded k, stored it, loaded v, stored it, then q: three round
+    trips on the critical path, split 0 always having keys). Checked with
     ptxas -v (sm_90): no spills for head_dim <= 128; fp32 dots (ieee: FMA) need 8 warps (4 spill)."""
     mha = group_p == 1
     cfg = {
@@ -176,6 +179,7 @@ def _decode_tile_config(
         "early_exit": False,
         "l2_prefetch": 1,
         "split_grain": None,  # None: block_n
+        "early_q": True,
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -223,6 +227,7 @@ CONFIG_KEYS = frozenset(
         "fold_scale",
         "rescale_slack",
         "split_grain",
+        "early_q",
     }
 )
 

@@ -59,6 +59,13 @@ def _decode_tile(
 
 
 @triton.jit
+def _store_kv_row(k_cache_ptr, v_cache_ptr, dst, k_row, v_row, mask):
+    """The fused KV write's stores of one token and KV head's K/V row, in the cache dtype."""
+    tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _merge_group(
     part_out_ptr, part_lse_ptr, t64, heads, rows_valid, num_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt, NUM_SPLITS: tl.constexpr,
@@ -211,6 +218,7 @@ def _paged_attention_decode_kernel(
     FUSE_REDUCE: tl.constexpr,
     EARLY_READS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
+    EARLY_Q: tl.constexpr,
     PREFETCH: tl.constexpr,
     L2_TILES: tl.constexpr,
     L2_LINES: tl.constexpr,
@@ -260,30 +268,44 @@ def _paged_attention_decode_kernel(
             SPLIT_GRAIN, BLOCK_SIZE, SEQ_CHUNK, NUM_SPLITS, FUSE_WRITE,
         )  # fmt: skip
 
-    if FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime) split 0 writes this token and head's K/V row
-        if (split == 0) & (slot >= 0):  # (slot is -1 unless FUSE_WRITE)
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off
-            k_row = tl.load(k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd, mask=d_mask)
-            tl.store(k_cache_ptr + dst + offs_d * stride_cd, k_row.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-            v_row = tl.load(v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd, mask=d_mask)
-            tl.store(v_cache_ptr + dst + offs_d * stride_cd, v_row.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-
     offs_r = tl.arange(0, ROWS)
     head = kv_head * GROUP + offs_r
     row_valid = offs_r < GROUP
+    q_ptrs = q_ptr + t64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    # Split 0 writes this token and head's K/V row (FUSE_WRITE; slot is -1 otherwise). EARLY_Q: q and
+    # that row load in one memory round trip right after the wait, and the row is stored only when the
+    # program leaves, so no store waits on its data before the key loop starts (no program of this
+    # step reads the row from the cache). Otherwise, the order before session 18: split 0 loaded k,
+    # stored it, loaded v, stored it, then loaded q, three round trips, and split 0 always has keys.
+    write = offs_d < tl.where((split == 0) & (slot >= 0), head_dim, 0)  # (not scalar & block: interpreter)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off + offs_d * stride_cd
+    k_src = k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd
+    v_src = v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd
+    if EARLY_Q:
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        if FUSE_WRITE:
+            k_row = tl.load(k_src, mask=write)
+            v_row = tl.load(v_src, mask=write)
+    elif FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime)
+        if (split == 0) & (slot >= 0):
+            tl.store(k_cache_ptr + dst, tl.load(k_src, mask=d_mask).to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(v_cache_ptr + dst, tl.load(v_src, mask=d_mask).to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+
     if not is_real:  # padding row: zeros
         if (NUM_SPLITS == 1) | FUSE_REDUCE:  # noqa: SIM102 (else the split reduce kernel writes them)
             if split == 0:
                 o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
                 zeros = tl.zeros([ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
                 tl.store(o_ptrs, zeros, mask=row_valid[:, None] & d_mask[None, :])
+        if EARLY_Q and FUSE_WRITE:  # a padding row's scratch slot
+            _store_kv_row(k_cache_ptr, v_cache_ptr, dst, k_row, v_row, write)
         return
     if FUSE_REDUCE:  # noqa: SIM102 (constexpr, then runtime)
         if split >= active:  # no keys here: the merge weighs only the first `active` splits
             return
 
-    q_ptrs = q_ptr + t64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if not EARLY_Q:
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     if USE_DOT:
         q = q.to(k_cache_ptr.dtype.element_ty)
     else:
@@ -324,6 +346,8 @@ def _paged_attention_decode_kernel(
             ).to(v_cache_ptr.dtype.element_ty)
             m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
 
+    if EARLY_Q and FUSE_WRITE:
+        _store_kv_row(k_cache_ptr, v_cache_ptr, dst, k_row, v_row, write)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_mask[None, :]

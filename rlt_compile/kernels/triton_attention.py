@@ -547,6 +547,7 @@ def _attention(
                 FUSE_REDUCE=fuse_reduce,
                 EARLY_READS=early,
                 EARLY_EXIT=early and fuse_reduce and bool(cfg["early_exit"]),
+                EARLY_Q=bool(cfg["early_q"]),
                 PREFETCH=bool(cfg["prefetch"]),
                 L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
