@@ -102,8 +102,8 @@ def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_one_barrier(mon
 
 def test_decode_attention_loads_q_and_the_written_kv_row_together(monkeypatch):
     """Split 0 of the fused-write decode kernel (batch-1 Ouro: 32 splits, the merge fused) loads q
-    and this token's K/V row in one round trip and stores the row when it leaves; ``early_q=0`` is the
-    order before session 18 (load k, store it, load v, store it, then q)."""
+    and this token's K/V row in one round trip, then stores the row; ``early_q=0`` is the order before
+    session 18 (load k, store it, load v, store it, then q)."""
     (order,) = _orders("_paged_attention_decode_kernel", "decode-split", NUM_SPLITS=32)
     assert _loads_right_after_wait(order) == 3, order
     monkeypatch.setenv("RLT_ATTENTION_CONFIG", "early_q=0")

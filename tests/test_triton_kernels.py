@@ -479,9 +479,9 @@ def test_decode_split_grain_matches_reference(heads, fuse_reduce, splits):
 @pytest.mark.parametrize("heads", ["mha4", "gqa6/2"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_fused_write_in_either_load_order_matches_reference(heads, splits):
-    """``early_q`` (default: q and the written K/V row in one round trip, the row stored when split 0
-    leaves) and ``early_q=0`` (the order before session 18) write the same cache and outputs;
-    padding token rows and padding sequences included."""
+    """``early_q`` (default: q and the written K/V row in one round trip, then the row's stores) and
+    ``early_q=0`` (the order before session 18) write the same cache and outputs; padding token rows
+    (one writing a scratch slot) and padding sequences included."""
     case = make_case([1] * 4, [3, 15, 40, 0], *DECODE_HEADS[heads], 16, 16, torch.float32, pad_tokens=1, pad_seqs=1)
     assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
     used = set(case[4].block_tables.flatten().tolist())

@@ -273,10 +273,10 @@ def _paged_attention_decode_kernel(
     row_valid = offs_r < GROUP
     q_ptrs = q_ptr + t64 * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
     # Split 0 writes this token and head's K/V row (FUSE_WRITE; slot is -1 otherwise). EARLY_Q: q and
-    # that row load in one memory round trip right after the wait, and the row is stored only when the
-    # program leaves, so no store waits on its data before the key loop starts (no program of this
-    # step reads the row from the cache). Otherwise, the order before session 18: split 0 loaded k,
-    # stored it, loaded v, stored it, then loaded q, three round trips, and split 0 always has keys.
+    # that row load in one memory round trip right after the wait, then the row is stored. Otherwise,
+    # the order before session 18: split 0 loaded k, stored it, loaded v, stored it, then loaded q,
+    # three round trips, and split 0 always has keys. (Storing the row only when the program leaves
+    # kept it in registers through the key loop and spilled on sm_90.)
     write = offs_d < tl.where((split == 0) & (slot >= 0), head_dim, 0)  # (not scalar & block: interpreter)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off + offs_d * stride_cd
     k_src = k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd
@@ -284,8 +284,7 @@ def _paged_attention_decode_kernel(
     if EARLY_Q:
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
         if FUSE_WRITE:
-            k_row = tl.load(k_src, mask=write)
-            v_row = tl.load(v_src, mask=write)
+            _store_kv_row(k_cache_ptr, v_cache_ptr, dst, tl.load(k_src, mask=write), tl.load(v_src, mask=write), write)
     elif FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime)
         if (split == 0) & (slot >= 0):
             tl.store(k_cache_ptr + dst, tl.load(k_src, mask=d_mask).to(k_cache_ptr.dtype.element_ty), mask=d_mask)
@@ -297,8 +296,6 @@ def _paged_attention_decode_kernel(
                 o_ptrs = out_ptr + t64 * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
                 zeros = tl.zeros([ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
                 tl.store(o_ptrs, zeros, mask=row_valid[:, None] & d_mask[None, :])
-        if EARLY_Q and FUSE_WRITE:  # a padding row's scratch slot
-            _store_kv_row(k_cache_ptr, v_cache_ptr, dst, k_row, v_row, write)
         return
     if FUSE_REDUCE:  # noqa: SIM102 (constexpr, then runtime)
         if split >= active:  # no keys here: the merge weighs only the first `active` splits
@@ -346,8 +343,6 @@ def _paged_attention_decode_kernel(
             ).to(v_cache_ptr.dtype.element_ty)
             m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
 
-    if EARLY_Q and FUSE_WRITE:
-        _store_kv_row(k_cache_ptr, v_cache_ptr, dst, k_row, v_row, write)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_mask[None, :]
