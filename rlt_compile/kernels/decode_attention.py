@@ -59,13 +59,6 @@ def _decode_tile(
 
 
 @triton.jit
-def _store_kv_row(k_cache_ptr, v_cache_ptr, dst, k_row, v_row, mask):
-    """The fused KV write's stores of one token and KV head's K/V row, in the cache dtype."""
-    tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _merge_group(
     part_out_ptr, part_lse_ptr, t64, heads, rows_valid, num_valid, offs_d, d_mask, stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt, NUM_SPLITS: tl.constexpr,
@@ -284,7 +277,10 @@ def _paged_attention_decode_kernel(
     if EARLY_Q:
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
         if FUSE_WRITE:
-            _store_kv_row(k_cache_ptr, v_cache_ptr, dst, tl.load(k_src, mask=write), tl.load(v_src, mask=write), write)
+            k_row = tl.load(k_src, mask=write)
+            v_row = tl.load(v_src, mask=write)
+            tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=write)
+            tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=write)
     elif FUSE_WRITE:  # noqa: SIM102 (constexpr, then runtime)
         if (split == 0) & (slot >= 0):
             tl.store(k_cache_ptr + dst, tl.load(k_src, mask=d_mask).to(k_cache_ptr.dtype.element_ty), mask=d_mask)
