@@ -58,8 +58,8 @@ EARLY_READS = {
 # The one early return allowed before the wait: the decode kernel's ``early_exit`` probe, for splits
 # other than split 0 (which always waits, so the grid still completes after the previous one).
 EARLY_EXITS = {"_paged_attention_decode_kernel": "if (split > 0) & (split >= active):\n    return"}
-PROLOGUE = ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]
-EARLY_TRIGGER = "if USE_PDL == 2:\n    tl.extra.cuda.gdc_launch_dependents()"
+EARLY_TRIGGER = "pdl_trigger_first(USE_PDL)"
+WAIT = "pdl_wait(USE_PDL)"
 
 
 @pytest.fixture(autouse=True)
@@ -260,12 +260,22 @@ def _function_ast(fn) -> ast.FunctionDef:
     return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
 
 
+def test_pdl_helpers_trigger_and_wait():
+    """The prologue's two helpers: the early trigger only with ``USE_PDL == 2``; the wait, then the
+    trigger, with any PDL mode."""
+    trigger = _function_ast(kernel_launch.pdl_trigger_first.fn).body[1:]  # after the docstring
+    assert [ast.unparse(s) for s in trigger] == ["if USE_PDL == 2:\n    tl.extra.cuda.gdc_launch_dependents()"]
+    wait = _function_ast(kernel_launch.pdl_wait.fn).body[1:]
+    assert [ast.unparse(s) for s in wait] == [
+        "if USE_PDL:\n    tl.extra.cuda.gdc_wait()\n    tl.extra.cuda.gdc_launch_dependents()"
+    ]
+
+
 def test_every_kernel_starts_with_the_pdl_prologue():
-    """``if USE_PDL == 2: gdc_launch_dependents()`` first (``RLT_PDL_TRIGGER=early``), then
-    ``if USE_PDL: gdc_wait(); gdc_launch_dependents()`` before anything else (a docstring aside):
-    no load, store or early return may come first, except loads of inputs listed in ``EARLY_READS``
-    (never written by a previous kernel) and the returns in ``EARLY_EXITS``. A kernel added without
-    it fails here."""
+    """``pdl_trigger_first`` first (``RLT_PDL_TRIGGER=early``), then ``pdl_wait`` before anything
+    else (a docstring aside): no load, store or early return may come first, except loads of inputs
+    listed in ``EARLY_READS`` (never written by a previous kernel) and the returns in ``EARLY_EXITS``.
+    A kernel added without it fails here."""
     kernels = aot.discover_kernels()
     assert {name.rsplit(".", 1)[-1] for name in kernels} == KERNELS
     for name, obj in kernels.items():
@@ -278,9 +288,7 @@ def test_every_kernel_starts_with_the_pdl_prologue():
         assert ast.unparse(body[0]) == EARLY_TRIGGER, name
         body = body[1:]
         short = name.rsplit(".", 1)[-1]
-        at = next(i for i, s in enumerate(body) if isinstance(s, ast.If) and ast.unparse(s.test) == "USE_PDL")
-        prologue = body[at]
-        assert [ast.unparse(s) for s in prologue.body] == PROLOGUE and not prologue.orelse, name
+        at = next(i for i, s in enumerate(body) if ast.unparse(s) == WAIT)
         before = body[:at]
         pointers = {n.id for s in before for n in ast.walk(s) if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
         assert pointers <= EARLY_READS.get(short, set()), (name, pointers)

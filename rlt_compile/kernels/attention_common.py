@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rlt_compile.kernels.launch import pdl_trigger_first, pdl_wait
+
 LOG2E = 1.4426950408889634  # softmax in the log2 domain: exp(x) = exp2(x * LOG2E)
 
 
@@ -85,11 +87,8 @@ def _split_reduce_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     valid = t < tl.load(query_start_ptr + num_seqs)  # padding token rows past the last sequence -> 0

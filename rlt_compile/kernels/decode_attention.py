@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from rlt_compile.kernels.attention_common import _block_ids, _merge_head
+from rlt_compile.kernels.launch import pdl_trigger_first, pdl_wait
 
 
 @triton.jit
@@ -218,8 +219,7 @@ def _paged_attention_decode_kernel(
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
     # EARLY_READS: the metadata (sequence, context split, slot, the first tile's block-table entries)
     # is read before the PDL wait, while the previous kernel finishes: no kernel of a step writes it.
     t = tl.program_id(0)
@@ -252,9 +252,7 @@ def _paged_attention_decode_kernel(
         if EARLY_EXIT:  # noqa: SIM102 (constexpr, then runtime)
             if (split > 0) & (split >= active):
                 return
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading its outputs
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     if not EARLY_READS:
         is_real, q_start, ctx_len, kv_lo, kv_hi, cache_hi, table, slot, block, active = _decode_start(
             query_start_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, t, split, num_seqs, offs_n, stride_bt,

@@ -36,6 +36,8 @@ from rlt_compile.kernels.launch import (
     kernel_for,
     pdl_launch_options,
     pdl_mode,
+    pdl_trigger_first,
+    pdl_wait,
     sm_count,
 )
 from rlt_compile.kernels.reference import apply_rope_half
@@ -99,8 +101,7 @@ def _gemv_kernel(
     ACC_2D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if SWIGLU:  # outputs j of the program from gate row j and up row swiglu_half + j, interleaved
@@ -119,9 +120,7 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # the weights do not depend on the previous kernel: read them before waiting
         w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading x
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     if (ROPE_HALF > 0) & EARLY_ROPE:  # with the activations, not after the loop: one round trip fewer
         cos, sin = _rope_factors(offs_n, cos_ptr, sin_ptr, ROPE_HALF, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -231,11 +230,8 @@ def _silu_gate(gate, up):
 def _silu_gate_kernel(y_ptr, out_ptr, stride_y, stride_out, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[r, j] = silu(y[r, j]) * y[r, half + j]`` (``_silu_gate``); grid: rows x column
     blocks. The SwiGLU op's path for more rows than the GEMV serves."""
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < half
@@ -260,11 +256,8 @@ def _rope_columns_kernel(
     """In place on ``y [rows, N]``: the rotate-half rotary of columns ``[lo, lo + 2 * n_pairs)``
     (heads of ``2 * HALF``), rounded like the GEMV's epilogue (``_rotate_pairs``). Grid: rows x
     pair blocks. The op's path for more rows than the GEMV serves."""
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     pair = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = pair < n_pairs

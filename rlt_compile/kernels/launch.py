@@ -14,12 +14,22 @@ import functools
 import threading
 
 import torch
+import triton
 import triton.language as tl
 
 from rlt_compile import envs
 from rlt_compile import platform as _platform
 
-__all__ = ["interpreter_scope", "is_interpreted", "kernel_for", "pdl_launch_options", "pdl_mode", "sm_count"]
+__all__ = [
+    "interpreter_scope",
+    "is_interpreted",
+    "kernel_for",
+    "pdl_launch_options",
+    "pdl_mode",
+    "pdl_trigger_first",
+    "pdl_wait",
+    "sm_count",
+]
 
 _INTERPRETER_LOCK = threading.Lock()
 _KERNELS: dict[tuple[str, bool], object] = {}
@@ -68,6 +78,24 @@ def pdl_launch_options(pdl: int) -> dict:
     ("Keyword argument launch_pdl was specified but unrecognised"), and ROCm's ``HIPOptions`` (and
     older NVIDIA backends) have no ``launch_pdl``."""
     return _PDL_OPTIONS[pdl]
+
+
+@triton.jit
+def pdl_trigger_first(USE_PDL: tl.constexpr):
+    """A kernel's first statement: with ``USE_PDL == 2`` (``RLT_PDL_TRIGGER=early``) let the next grid
+    launch before this one waits."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Programmatic Dependent Launch: block until the previous grid has finished and its writes are
+    visible, then (if not done first) let the next grid launch. Nothing the previous kernel writes
+    may be read before this."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @contextlib.contextmanager

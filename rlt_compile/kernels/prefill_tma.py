@@ -37,7 +37,15 @@ import triton.language as tl
 from rlt_compile import platform as _platform
 from rlt_compile.kernels.attention_common import LOG2E, _block_ids, _program_sequence
 from rlt_compile.kernels.attention_config import _check_config
-from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
+from rlt_compile.kernels.launch import (
+    interpreter_scope,
+    is_interpreted,
+    kernel_for,
+    pdl_launch_options,
+    pdl_mode,
+    pdl_trigger_first,
+    pdl_wait,
+)
 
 __all__ = ["MIN_AVERAGE_QUERY", "prefill_tma_attention", "prefill_tma_config", "uses_prefill_tma"]
 
@@ -84,11 +92,8 @@ def _prefill_tma_kernel(
     WRITE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq, is_real, q_start, q_len, tile = _program_sequence(pid, query_start_ptr, num_seqs, num_tokens, BLOCK_M, SEQ_P)

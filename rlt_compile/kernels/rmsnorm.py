@@ -40,7 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from rlt_compile.kernels.launch import interpreter_scope, is_interpreted, kernel_for, pdl_launch_options, pdl_mode
+from rlt_compile.kernels.launch import (
+    interpreter_scope,
+    is_interpreted,
+    kernel_for,
+    pdl_launch_options,
+    pdl_mode,
+    pdl_trigger_first,
+    pdl_wait,
+)
 
 __all__ = [
     "add_rmsnorm2_reference",
@@ -89,8 +97,7 @@ def _fused_rmsnorm_kernel(
 ):
     """Per row: ``v = y``; [RESIDUAL == 1: ``v = r + v``]; [NORM_A: ``v = norm_a(v)``];
     [RESIDUAL == 2: ``v = r + v``]; store ``v`` to ``h``; [NORM_B: store ``norm_b(v)`` to ``out``]."""
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     # The norm weights are parameters, never written by the previous kernel: read them before the
@@ -99,9 +106,7 @@ def _fused_rmsnorm_kernel(
         w_a = tl.load(wa_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM_B:
         w_b = tl.load(wb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before reading activations
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     v = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     dtype = v.dtype

@@ -28,9 +28,10 @@ These kernels serve the varlen batch layout of ``metadata.py``:
 
 PDL (Programmatic Dependent Launch, NVIDIA sm_90+, ``platform.pdl_enabled()`` / ``RLT_PDL``): on
 CUDA tensors every kernel is launched with ``launch_pdl=True`` and ``USE_PDL`` 2 (1 with
-``RLT_PDL_TRIGGER=wait``). Its first statement then is ``gdc_launch_dependents()`` (let the next
-grid launch; with ``USE_PDL=1`` it comes right after the wait), then ``gdc_wait()`` (block until the
-previous grid in the stream has completed and its writes are visible). Triggering first is safe: a
+``RLT_PDL_TRIGGER=wait``). Its first statement then is ``launch.pdl_trigger_first``
+(``gdc_launch_dependents()``: let the next grid launch; with ``USE_PDL=1`` it comes right after the
+wait), then ``launch.pdl_wait`` (``gdc_wait()``: block until the previous grid in the stream has
+completed and its writes are visible). Triggering first is safe: a
 grid completes only after all its programs passed their own wait, so the next kernel's wait still
 orders it after every earlier kernel; it lets the next kernel's programs be resident and read their
 weights while this one waits. The wait comes before every load, store and early return: a program
@@ -80,6 +81,8 @@ from rlt_compile.kernels.launch import (
     kernel_for,
     pdl_launch_options,
     pdl_mode,
+    pdl_trigger_first,
+    pdl_wait,
     sm_count,
 )
 
@@ -126,11 +129,8 @@ def _kv_write_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -192,11 +192,8 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # trigger first (RLT_PDL_TRIGGER=early): the next grid may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:  # Programmatic Dependent Launch: wait for the previous grid before any memory access
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger_first(USE_PDL)
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
