@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             top_k=args.top_k,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
             seed=args.seed,
             stop=args.stop,
             ignore_eos=args.ignore_eos,

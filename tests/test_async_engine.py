@@ -219,14 +219,23 @@ def test_stop_strings_and_text_equal(tiny_dirs):
     assert a[0][0][1] == "stop" and a[0][0][2] == words[2]
 
 
-def test_repetition_penalty_falls_back_to_a_synchronous_step(models):
+@pytest.mark.parametrize(
+    "adjust, needs_history",
+    [
+        (dict(repetition_penalty=1.3), True),
+        (dict(presence_penalty=1.5), True),
+        (dict(frequency_penalty=0.8), True),
+        (dict(logit_bias={7: 4.0, 9: -100.0}), False),
+    ],
+)
+def test_penalties_fall_back_to_a_synchronous_step(models, adjust, needs_history):
     reqs = [
-        (p, SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3 if i % 2 else 1.0))
+        (p, SamplingParams(temperature=0, max_tokens=6, **(adjust if i % 2 else {})))
         for i, p in enumerate(prompts(4, seed=9))
     ]
     (a, _, _), (b, _, fast) = both(models["ouro"], "ouro", reqs)
     assert a == b
-    assert fast.async_scheduler.sync_steps > 0
+    assert (fast.async_scheduler.sync_steps > 0) == needs_history
 
 
 def test_abort_while_a_step_is_in_flight(models):

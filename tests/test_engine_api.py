@@ -104,6 +104,42 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert out.outputs[0].text == base.text[: cut + len(stop)]
 
 
+def _adjusted(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """The logits after ``params``' penalties and bias, written out token by token (the reference)."""
+    logits = logits.clone()
+    for t in set(prompt + output):
+        r = params.repetition_penalty
+        logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
+    for t in set(output):
+        logits[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    for t, bias in (params.logit_bias or {}).items():
+        logits[t] += bias
+    return logits
+
+
+@pytest.mark.parametrize(
+    "adjust",
+    [
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=-0.7),
+        dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1.2),
+        dict(logit_bias={40: 3.0, 41: -100.0}),
+    ],
+)
+def test_penalties_and_logit_bias_match_a_reference_loop(model, adjust):
+    prompt, n = [5, 6, 7, 8, 9, 40, 41], 8
+    params = greedy(n, **adjust)
+    eng = LLMEngine(model, num_blocks=96)
+    eng.add_request("a", prompt, params)
+    got = eng.run_to_completion()["a"].outputs[0].token_ids
+    output: list[int] = []
+    for _ in range(n):
+        logits = greedy_generate(model, prompt + output, 1)[1][0].float()
+        output.append(int(_adjusted(logits, prompt, output, params).argmax()))
+    assert got == output
+    assert got != greedy_generate(model, prompt, n)[0]  # the adjustment changed what is generated
+
+
 def test_eos_stops_unless_ignored(model):
     eng = LLMEngine(model, num_blocks=96)
     ids = [5, 6, 7]
@@ -206,9 +242,16 @@ def test_max_model_len_and_queue_limit(model):
         ([5], dict(top_p=0.0), "top_p"),
         ([5], dict(top_p=1.2), "top_p"),
         ([5], dict(logprobs=1000), "logprobs"),
+        ([5], dict(presence_penalty=2.5), "presence_penalty"),
+        ([5], dict(frequency_penalty=-3), "frequency_penalty"),
+        ([5], dict(logit_bias={3: 101.0}), "logit_bias"),
+        ([5], dict(logit_bias={"3": 1.0}), "logit_bias"),
+        ([5], dict(logit_bias={256: 1.0}), "logit_bias"),  # outside the vocabulary: add_request
     ],
 )
 def test_invalid_requests_raise_and_leave_others_unaffected(model, prompt, params, field):
+    checked_by_engine = params in (dict(logprobs=1000), dict(logit_bias={256: 1.0}))  # need the vocabulary
+
     def fresh():
         eng = LLMEngine(model, num_blocks=96, max_model_len=64)
         eng.add_request("x", [5, 6, 7, 8], greedy(4))
@@ -219,13 +262,13 @@ def test_invalid_requests_raise_and_leave_others_unaffected(model, prompt, param
     eng = fresh()
     first = {o.request_id: o for o in eng.step()}
     with pytest.raises(ValueError, match=rf"^{field}:"):
-        if params is not None and field != "logprobs":
+        if params is not None and not checked_by_engine:
             SamplingParams(**params)  # caught at construction already ...
             raise AssertionError("SamplingParams accepted an invalid value")
         sp = SamplingParams(max_tokens=2, **(params or {}))
         eng.add_request("bad", prompt, sp)
     assert "bad" not in eng.requests
-    if params is not None and field != "logprobs":  # ... and again if mutated before add_request
+    if params is not None and not checked_by_engine:  # ... and again if mutated before add_request
         sp = greedy(2)
         setattr(sp, next(iter(params)), next(iter(params.values())))
         with pytest.raises(ValueError, match=rf"^{field}:"):

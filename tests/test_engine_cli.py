@@ -37,6 +37,8 @@ def test_generate_cli_prints_the_engine_text(tiny_dirs):
 def test_generate_cli_reports_bad_arguments(tiny_dirs):
     proc = _run("--model", str(tiny_dirs["nanbeige"]), "--prompt", "hello", "--top-p", "0")
     assert proc.returncode == 2 and "top_p" in proc.stderr
+    proc = _run("--model", str(tiny_dirs["nanbeige"]), "--prompt", "hello", "--frequency-penalty", "3")
+    assert proc.returncode == 2 and "frequency_penalty" in proc.stderr
 
 
 def test_generate_cli_reports_a_bad_checkpoint(tmp_path):

@@ -151,11 +151,13 @@ def test_small_pool_preempts_or_falls_back_to_plain_decode(models):
 
 def test_logprobs_and_penalty_requests_decode_plainly_in_the_same_step(models):
     model = models["ouro"]
-    prompts = mixed_prompts(6, seed=9)
+    prompts = mixed_prompts(10, seed=9)
     params = [
         GREEDY,
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={40: 3.0, 41: -100.0}),
     ] * 2
     want = run(engine(model), prompts, params)
     eng = engine(model, speculative_num_draft=3, speculative_draft_steps=2)

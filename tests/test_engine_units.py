@@ -9,7 +9,7 @@ import torch
 from rlt_compile.engine import EngineConfig, SamplingParams
 from rlt_compile.engine.block_manager import BlockManager
 from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
-from rlt_compile.engine.sampler import Sampler, apply_repetition_penalty, filter_top_k_top_p
+from rlt_compile.engine.sampler import Sampler, adjust_logits, filter_top_k_top_p
 from rlt_compile.engine.scheduler import Scheduler
 from rlt_compile.engine.sequence import Sequence, SequenceStatus
 
@@ -27,6 +27,12 @@ from rlt_compile.engine.sequence import Sequence, SequenceStatus
         ("min_p", 1.5),
         ("n", 0),
         ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.1),
+        ("frequency_penalty", -2.1),
+        ("frequency_penalty", True),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {1: -100.5}),
+        ("logit_bias", [1.0]),
         ("logprobs", -1),
         ("stop", [""]),
         ("stop_token_ids", [-3]),
@@ -214,8 +220,21 @@ def test_filters_and_penalty():
     assert torch.isinf(filter_top_k_top_p(logits, [2], [1.0])[0, 2:]).all()
     out = filter_top_k_top_p(logits, [0], [0.5])
     assert torch.isfinite(out[0, 0]) and torch.isinf(out[0, 1:]).all()
-    row = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), [0, 1], 2.0)
-    assert row.tolist() == [1.0, -4.0, 1.0]
+    seq = _seq([0, 1], params=SamplingParams(temperature=0, repetition_penalty=2.0))
+    assert adjust_logits(torch.tensor([2.0, -2.0, 1.0]), seq).tolist() == [1.0, -4.0, 1.0]
+
+
+def test_presence_frequency_penalties_count_output_tokens_and_bias_adds():
+    params = SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={4: 3.0, 0: -1.0})
+    seq = _seq([0, 1], params=params)
+    seq.token_ids += [2, 2, 3]  # the output: token 2 twice, 3 once; prompt tokens 0 and 1 are not penalized
+    row = torch.zeros(5)
+    assert adjust_logits(row, seq).tolist() == [-1.0, 0.0, -2.0, -1.5, 3.0]
+    assert row.tolist() == [0.0] * 5  # a new tensor
+    assert params.needs_history and params.adjusts_logits
+    bias_only = SamplingParams(logit_bias={1: 1.0})
+    assert not bias_only.needs_history and bias_only.adjusts_logits  # no token history: no sync step
+    assert not SamplingParams().adjusts_logits
 
 
 def test_sampler_greedy_limits_and_seeds():

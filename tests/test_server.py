@@ -152,6 +152,18 @@ def test_depth_options_pass_through_to_the_engine(client, offline, http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "exit_step"
 
 
+def test_openai_penalties_and_logit_bias_pass_through(client, offline):
+    """presence / frequency penalties and a logit bias (string token ids, as the openai client sends
+    them) give what the offline API gives with the same SamplingParams, and change the text."""
+    adjust = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias={"40": 2.0}, **adjust
+    )
+    want = offline_text(offline, PROMPT, max_tokens=8, temperature=0, logit_bias={40: 2.0}, **adjust)
+    assert r.choices[0].text == want
+    assert want != offline_text(offline, PROMPT, max_tokens=8, temperature=0)
+
+
 def test_chat_matches_offline(client, offline):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     want = offline.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
@@ -257,6 +269,27 @@ BAD_REQUESTS = [
     ("n_0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 0}, 400, "n"),
     ("top_p_2", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_p": 2}, 400, "top_p"),
     ("max_tokens_str", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, 400, "max_tokens"),
+    (
+        "presence_penalty_3",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "logit_bias_key",
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "logit_bias": {"x": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias_out_of_vocab",
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "logit_bias": {"99999": 1}},
+        400,
+        "logit_bias",
+    ),
 ]
 
 

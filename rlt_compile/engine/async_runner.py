@@ -27,8 +27,9 @@ Exactness: the tokens equal synchronous mode for greedy and for seeded requests 
 the synchronous sampler's arithmetic, op for op, with its generators); the batches differ (a
 speculative row, admissions one step later), which the engine's batch invariance absorbs.
 Unseeded random sampling draws from the engine's shared generator, so - as in synchronous mode -
-its tokens depend on batch composition. Requests with a repetition penalty need the host's token
-history: when one is in flight the step first resolves the previous step (a synchronous step).
+its tokens depend on batch composition. Requests with a penalty (repetition, presence, frequency)
+need the host's token history: when one is in flight the step first resolves the previous step (a
+synchronous step).
 
 Host syncs per step: one event wait for the *previous* step's ids (normally complete). The eager
 reference attention and per-request depth options build tensors on the host and sync inside the
@@ -44,6 +45,7 @@ import torch
 
 from rlt_compile.engine.input_buffers import PLACEHOLDER, InputBuffers, SeqChunk
 from rlt_compile.engine.model_runner import StepInputs
+from rlt_compile.engine.sampler import adjust_logits
 from rlt_compile.engine.scheduler import ScheduledBatch
 from rlt_compile.engine.sequence import Sequence
 
@@ -75,8 +77,8 @@ class DeviceSampler:
         want = [p.logprobs is not None for p in params]
         raw = torch.log_softmax(logits, dim=-1) if any(want) else None
         for row, seq in enumerate(seqs):
-            if seq.params.repetition_penalty != 1.0:
-                logits[row] = self._penalize(logits[row], seq.token_ids, seq.params.repetition_penalty)
+            if seq.params.adjusts_logits:
+                logits[row] = adjust_logits(logits[row], seq, self.to_device)
         greedy = [p.temperature == 0.0 for p in params]
         tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
         pack = None
@@ -89,13 +91,6 @@ class DeviceSampler:
             top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
             pack = LogprobPack(rows, [params[i].logprobs for i in rows], chosen, top_vals, top_ids)
         return tokens, pack
-
-    def _penalize(self, row: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
-        ids = self.to_device(sorted(set(token_ids)), torch.long)
-        seen = row.index_select(0, ids)
-        row = row.clone()
-        row.index_copy_(0, ids, torch.where(seen > 0, seen / penalty, seen * penalty))
-        return row
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         return self.sampler._sample(logits, seqs, greedy, self.to_device)
@@ -190,7 +185,7 @@ class AsyncScheduler:
         return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.engine.max_model_len
 
     def _needs_history(self) -> bool:
-        return any(seq.params.repetition_penalty != 1.0 for seq, recs in self.pending.items() if recs)
+        return any(seq.params.needs_history for seq, recs in self.pending.items() if recs)
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list:

@@ -266,9 +266,10 @@ class LLMEngine:
             raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
-        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids or [] if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: {bad[:5]} outside the vocabulary [0, {vocab})")
         self.runner.check_depth(params)
 
     def abort_request(self, request_id: str) -> bool:

@@ -1,7 +1,9 @@
 """Sampler: next tokens for a batch of logits rows, each row with its own SamplingParams.
 
-Order of transforms: repetition penalty (HF rule: positive logits divided, negative multiplied,
-over every token of prompt and output), then greedy rows take the argmax; random rows are divided
+Order of transforms (``adjust_logits``): repetition penalty (HF rule: positive logits divided,
+negative multiplied, over every token of prompt and output), frequency and presence penalties
+(OpenAI rule, over output tokens only: ``logit -= frequency * count + presence * (count > 0)``),
+logit bias (added); then greedy rows take the argmax; random rows are divided
 by their temperature, filtered by top-k, top-p and min-p, and sampled with the exponential race
 ``argmax(p / q), q ~ Exp(1)``. A seeded request draws its noise from its own ``torch.Generator``
 (one draw of vocabulary size per token), so its tokens do not depend on what else is in the batch;
@@ -11,6 +13,7 @@ log-softmax (before penalties and temperature): the sampled token and the top ``
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +48,8 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         for row, seq in enumerate(seqs):
-            if seq.params.repetition_penalty != 1.0:
-                logits[row] = apply_repetition_penalty(logits[row], seq.token_ids, seq.params.repetition_penalty)
+            if seq.params.adjusts_logits:
+                logits[row] = adjust_logits(logits[row], seq)
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -118,11 +121,23 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def apply_repetition_penalty(row: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
-    ids = torch.tensor(sorted(set(token_ids)), device=row.device, dtype=torch.long)
-    seen = row.index_select(0, ids)
+def adjust_logits(row: torch.Tensor, seq: Sequence, make=None) -> torch.Tensor:
+    """One row's logits after ``seq``'s penalties and logit bias (a new tensor); ``make`` as in
+    ``filtered_probs``."""
+    make = make or _maker(row.device)
+    p = seq.params
     row = row.clone()
-    row.index_copy_(0, ids, torch.where(seen > 0, seen / penalty, seen * penalty))
+    if p.repetition_penalty != 1.0:
+        ids = make(sorted(set(seq.token_ids)), torch.long)
+        seen = row.index_select(0, ids)
+        row.index_copy_(0, ids, torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty))
+    counts = Counter(seq.output_token_ids) if p.presence_penalty or p.frequency_penalty else None
+    if counts:
+        ids = make(list(counts), torch.long)
+        times = make(list(counts.values()), torch.float32)
+        row.index_add_(0, ids, -(p.frequency_penalty * times + p.presence_penalty))
+    if p.logit_bias:
+        row.index_add_(0, make(list(p.logit_bias), torch.long), make(list(p.logit_bias.values()), torch.float32))
     return row
 
 

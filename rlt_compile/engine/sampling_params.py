@@ -21,7 +21,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # HF rule, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI rule, over output tokens: minus this once per token seen
+    frequency_penalty: float = 0.0  # OpenAI rule, over output tokens: minus this per occurrence
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -73,6 +76,17 @@ class SamplingParams:
             "repetition_penalty",
             f"must be > 0, got {self.repetition_penalty!r}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        bias = self.logit_bias or {}
+        _check(
+            isinstance(bias, dict)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in bias)
+            and all(_is_number(b) and -100 <= b <= 100 for b in bias.values()),
+            "logit_bias",
+            f"must map token ids (integers >= 0) to biases in [-100, 100], got {self.logit_bias!r}",
+        )
         _check(
             self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer or None, got {self.seed!r}"
         )
@@ -116,6 +130,17 @@ class SamplingParams:
             "num_steps",
             f"must be an integer >= 1, got {self.num_steps!r}",
         )
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (the penalties)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before the distribution (penalties,
+        logit bias): self-speculation's acceptance test does not model that."""
+        return self.needs_history or bool(self.logit_bias)
 
     @property
     def has_depth_options(self) -> bool:

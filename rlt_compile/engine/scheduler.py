@@ -100,14 +100,14 @@ class Scheduler:
     def lookahead(self, seq: Sequence) -> int:
         """Draft tokens ``seq`` may speculate this step (0: plain decode).
 
-        Only decodes (one uncomputed token) of requests without logprobs, repetition penalty or
+        Only decodes (one uncomputed token) of requests without logprobs, penalties, logit bias or
         per-request depth options speculate; never past ``max_tokens`` or ``max_model_len``.
         """
         k = self.config.speculative_num_draft
         if not k or seq.num_uncomputed_tokens != 1:
             return 0
         p = seq.params
-        if p.logprobs is not None or p.repetition_penalty != 1.0 or p.has_depth_options:
+        if p.logprobs is not None or p.adjusts_logits or p.has_depth_options:
             return 0
         k = min(k, p.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:

@@ -40,6 +40,9 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # JSON object keys are strings: token ids as text
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -73,12 +76,29 @@ class _SamplingFields(BaseModel):
             "exit_step": self.exit_step,
             "exit_threshold": self.exit_threshold,
             "num_steps": self.num_steps,
+            "logit_bias": self._logit_bias(),
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             value = getattr(self, name)
             if value is not None:
                 values[name] = value
         return SamplingParams(**values)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {list(self.logit_bias)[:5]}") from None
 
     @property
     def include_usage(self) -> bool:
