@@ -277,6 +277,20 @@ BAD_REQUESTS = [
         "presence_penalty",
     ),
     (
+        "chat_tools",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
+    (
+        "chat_json_mode",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (
         "logit_bias_key",
         "/v1/completions",
         {"model": MODEL, "prompt": PROMPT, "logit_bias": {"x": 1}},

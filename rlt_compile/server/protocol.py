@@ -166,12 +166,19 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Declared only to be refused: ignoring them would answer a different question than was asked.
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``default_max_tokens`` applies when neither max_tokens nor max_completion_tokens is given."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens
+        if self.tools:
+            raise ValueError("tools: tool / function calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
