@@ -140,6 +140,84 @@ def test_penalties_and_logit_bias_match_a_reference_loop(model, adjust):
     assert got != greedy_generate(model, prompt, n)[0]  # the adjustment changed what is generated
 
 
+def _reference_prompt_logprobs(model, prompt: list[int], **options) -> list[torch.Tensor]:
+    """log-softmax of the logits that predict each prompt token after the first, one plain forward
+    per prefix (no engine, no cache reuse)."""
+    return [
+        torch.log_softmax(greedy_generate(model, prompt[:n], 1, **options)[1][0].float(), -1)
+        for n in range(1, len(prompt))
+    ]
+
+
+def _check_prompt_logprobs(got, prompt: list[int], reference: list[torch.Tensor], k: int) -> None:
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for token, entry, ref in zip(prompt[1:], got[1:], reference):
+        top = ref.topk(k).indices.tolist()
+        assert set(entry) == {token, *top}
+        assert entry == pytest.approx({t: ref[t].item() for t in entry}, abs=1e-5)
+
+
+def test_prompt_logprobs_match_the_model_in_chunks_and_with_n(model):
+    """vLLM's prompt_logprobs: every prompt token after the first gets its logprob and the top k,
+    also when the prompt is prefilled in chunks, and once per request with n > 1."""
+    prompt = [5, 17, 9, 33, 2, 61, 40, 41, 7, 12, 90, 3, 25]
+    reference = _reference_prompt_logprobs(model, prompt)
+    for budget in (64, 5):  # one prefill, then chunks of 5
+        eng = LLMEngine(model, num_blocks=96, max_num_batched_tokens=budget)
+        eng.add_request("a", prompt, greedy(3, prompt_logprobs=2, n=2))
+        eng.add_request("b", prompt[:4], greedy(3))  # no prompt logprobs asked for
+        out = eng.run_to_completion()
+        _check_prompt_logprobs(out["a"].prompt_logprobs, prompt, reference, 2)
+        assert out["b"].prompt_logprobs is None
+        assert out["a"].outputs[0].token_ids == greedy_generate(model, prompt, 3)[0]
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption(model):
+    prompt = list(range(20, 58))  # 38 tokens: two full 16-token blocks to cache
+    reference = _reference_prompt_logprobs(model, prompt)
+    eng = LLMEngine(model, num_blocks=96)
+    eng.add_request("warm", prompt, greedy(2))
+    eng.run_to_completion()
+    eng.add_request("a", prompt, greedy(2, prompt_logprobs=0))
+    _check_prompt_logprobs(eng.run_to_completion()["a"].prompt_logprobs, prompt, reference, 0)
+    eng.add_request("b", prompt, greedy(2))
+    assert eng.run_to_completion()["b"].num_cached_tokens == 32  # the cache still serves the others
+
+    # a pool that cannot hold every request at once: preempted ones recompute, entries stay in order
+    eng = LLMEngine(model, num_blocks=9, block_size=8, max_num_batched_tokens=16)
+    for i in range(4):
+        eng.add_request(str(i), prompt[i:], greedy(6, prompt_logprobs=1))
+    out = eng.run_to_completion()
+    assert eng.stats.preemptions > 0
+    for i in range(4):
+        _check_prompt_logprobs(
+            out[str(i)].prompt_logprobs, prompt[i:], _reference_prompt_logprobs(model, prompt[i:]), 1
+        )
+
+
+def test_prompt_logprobs_with_a_per_request_exit_step(model):
+    """Ouro's per-request exit options are per logits row: prompt rows take their request's."""
+    prompt = [5, 17, 9, 33, 2, 61]
+    eng = LLMEngine(model, num_blocks=96)
+    eng.add_request("a", prompt, greedy(2, prompt_logprobs=1, exit_policy="fixed", exit_step=0))
+    eng.add_request("b", [8, 9, 10], greedy(2))
+    got = eng.run_to_completion()["a"].prompt_logprobs
+    _check_prompt_logprobs(got, prompt, _reference_prompt_logprobs(model, prompt, exit_at_step=0), 1)
+    full = _reference_prompt_logprobs(model, prompt)
+    assert any(got[i + 1][t] != pytest.approx(full[i][t].item(), abs=1e-5) for i, t in enumerate(prompt[1:]))
+
+
+def test_prompt_logprobs_rejected_where_unsupported(model):
+    with pytest.raises(ValueError, match="^prompt_logprobs:"):
+        SamplingParams(prompt_logprobs=-1)
+    eng = LLMEngine(model, num_blocks=96)
+    with pytest.raises(ValueError, match="^prompt_logprobs: 1000 exceeds"):
+        eng.add_request("a", [5, 6], greedy(2, prompt_logprobs=1000))
+    eng = LLMEngine(model, num_blocks=96, async_scheduling=True)
+    with pytest.raises(ValueError, match="^prompt_logprobs: not supported with async_scheduling"):
+        eng.add_request("a", [5, 6], greedy(2, prompt_logprobs=1))
+
+
 def test_eos_stops_unless_ignored(model):
     eng = LLMEngine(model, num_blocks=96)
     ids = [5, 6, 7]

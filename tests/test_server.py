@@ -164,6 +164,39 @@ def test_openai_penalties_and_logit_bias_pass_through(client, offline):
     assert want != offline_text(offline, PROMPT, max_tokens=8, temperature=0)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    """What evaluation harnesses send to score a text (echo + logprobs): the prompt's tokens come back
+    first, each with the logprob the offline ``prompt_logprobs`` gives (None for the first), then the
+    completion's; streamed deltas add up to the same."""
+    sampling = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1)
+    r = client.completions.create(echo=True, **sampling)
+    want = offline.generate(
+        PROMPT, SamplingParams(max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1), use_tqdm=False
+    )[0]
+    c, lp = r.choices[0], r.choices[0].logprobs
+    ids = want.prompt_token_ids
+    assert c.text == PROMPT + want.outputs[0].text
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    prompt_lps = [want.prompt_logprobs[i][t] for i, t in enumerate(ids) if i > 0]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(prompt_lps, abs=1e-5)
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(
+        [d[t] for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)], abs=1e-5
+    )
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+
+    chunks = list(client.completions.create(echo=True, stream=True, **sampling))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    streamed = [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+    plain = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, temperature=0, echo=True)
+    assert [ch.text for ch in sorted(plain.choices, key=lambda ch: ch.index)] == [
+        offline.tokenizer.decode(p) + offline_text(offline, p, max_tokens=2, temperature=0) for p in (ids, ids[:3])
+    ]
+    assert plain.choices[0].logprobs is None
+
+
 def test_chat_matches_offline(client, offline):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     want = offline.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]

@@ -41,7 +41,7 @@ from rlt_compile.engine.config import EngineConfig
 from rlt_compile.engine.detokenizer import detokenize_step, find_stop_string
 from rlt_compile.engine.model_runner import ModelRunner, choose_num_blocks
 from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
-from rlt_compile.engine.sampler import Sampler, sampling_probs
+from rlt_compile.engine.sampler import Sampler, logprob_entries, sampling_probs
 from rlt_compile.engine.sampling_params import SamplingParams
 from rlt_compile.engine.scheduler import ScheduledBatch, Scheduler
 from rlt_compile.engine.sequence import Sequence
@@ -65,6 +65,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -262,8 +263,14 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens is longer than the model context (max_model_len={self.max_model_len})"
             )
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name}: {value} exceeds the vocabulary size {vocab}")
+        if params.prompt_logprobs is not None:
+            unsupported = [o for o in ("async_scheduling", "wavefront_prefill_chunk") if getattr(self.config, o)]
+            if unsupported:
+                raise ValueError(f"prompt_logprobs: not supported with {unsupported[0]}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
@@ -323,9 +330,23 @@ class LLMEngine:
         return outputs
 
     def _plain_step(self, batch: ScheduledBatch) -> dict[str, Request]:
-        logits, sample_seqs = self.runner.execute(batch)
+        inputs = self.runner.prepare(batch, prompt_logprobs=True)
+        logits, sample_seqs = self.runner.run(batch, inputs)
+        if inputs.prompt_rows:
+            self._record_prompt_logprobs(logits[len(sample_seqs) :], inputs.prompt_rows)
         self._account(batch)
-        return self._sample(logits, sample_seqs)
+        return self._sample(logits[: len(sample_seqs)], sample_seqs)
+
+    @staticmethod
+    def _record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+        """Append each row's prompt-token logprob entry (rows come in position order per sequence)."""
+        tokens = [seq.token_ids[q + 1] for seq, q in rows]
+        entries = logprob_entries(
+            torch.log_softmax(logits.float(), dim=-1), tokens, [s.params.prompt_logprobs for s, _ in rows]
+        )
+        for (seq, q), entry in zip(rows, entries):
+            assert len(seq.prompt_logprobs) == q + 1, (seq, q)
+            seq.prompt_logprobs.append(entry)
 
     def _account(self, batch: ScheduledBatch) -> None:
         """Count the step and its tokens; the scheduled tokens are computed (and their full blocks cached)."""
@@ -590,13 +611,20 @@ class LLMEngine:
             )
             seq.sent_tokens, seq.sent_text, seq.sent_logprobs = produced, text_end, len(seq.logprobs)
             seq.sent_finish = done
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.sent_prompt_logprobs:
+            done = [s.prompt_logprobs for s in request.seqs if not s.prompt_logprobs_pending]
+            if done:  # with the first completion's first tokens
+                prompt_logprobs, request.sent_prompt_logprobs = list(done[0]), True
+        first = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=all(s.finish_reason is not None for s in request.seqs),
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- conveniences --------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 It flattens the batch (varlen layout, see ``kernels/metadata.py``): each sequence contributes the
 ``num_tokens`` tokens after its ``num_computed_tokens``, and a logits row only when those finish
-its uncomputed tokens (a partial prefill chunk produces none). The step function is the model, or
+its uncomputed tokens (a partial prefill chunk produces none). With ``prompt_logprobs`` the rows of
+the prompt positions a request asked logprobs for follow the sampled rows. The step function is the model, or
 ``rlt_compile.compiler.compile_model(model, ...)`` with ``compile=True``; with
 ``use_cuda_graphs=True`` decode-only batches replay ``rlt_compile.graphs.CudaGraphRunner`` graphs.
 Both modules are optional: when one is missing the runner warns and falls back to the plain path.
@@ -87,7 +88,14 @@ class StepInputs:
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_seqs: list[Sequence]  # one per logits row
+    sample_seqs: list[Sequence]  # one per sampled logits row
+    # after the sampled rows: (sequence, position q) whose logits give prompt token q + 1's logprob
+    prompt_rows: list[tuple[Sequence, int]] = ()
+
+    @property
+    def row_seqs(self) -> list[Sequence]:
+        """The sequence of every logits row, sampled rows first."""
+        return self.sample_seqs + [seq for seq, _ in self.prompt_rows]
 
 
 class ModelRunner:
@@ -222,7 +230,7 @@ class ModelRunner:
         dev = self.device
         if self.model.family == "ouro":
             fixed, threshold = [], []
-            for seq in inputs.sample_seqs:
+            for seq in inputs.row_seqs:
                 f, t = self.ouro_exit(seq.params)
                 fixed.append(f)
                 threshold.append(t)
@@ -239,14 +247,17 @@ class ModelRunner:
         return options, False
 
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch, all_logits: bool = False) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, all_logits: bool = False, prompt_logprobs: bool = False) -> StepInputs:
         """Flatten ``batch``; ``all_logits``: a logits row for every token of a sequence whose chunk
-        ends its tokens (self-speculation's verify pass), ``sample_seqs`` repeating it per row."""
+        ends its tokens (self-speculation's verify pass), ``sample_seqs`` repeating it per row;
+        ``prompt_logprobs``: rows for the prompt positions whose logprobs are still missing."""
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
         sample_seqs: list[Sequence] = []
         context_lens: list[int] = []
+        prompt_rows: list[tuple[Sequence, int]] = []
+        prompt_indices: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
@@ -256,6 +267,13 @@ class ModelRunner:
                 rows = range(len(ids) - n, len(ids)) if all_logits else [len(ids) - 1]
                 logits_indices.extend(rows)
                 sample_seqs.extend([seq] * len(rows))
+            if prompt_logprobs and seq.prompt_logprobs_pending:
+                # position q predicts prompt token q + 1; skip what an earlier pass (before a
+                # preemption) recorded
+                for q in range(max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append((seq, q))
+                    prompt_indices.append(len(ids) - n + q - start)
+        logits_indices += prompt_indices
         attn = build_metadata(
             batch.num_tokens,
             context_lens,
@@ -269,11 +287,12 @@ class ModelRunner:
             attn=attn.to(dev),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True),
             sample_seqs=sample_seqs,
+            prompt_rows=prompt_rows,
         )
 
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the batch; returns (fp32 logits [len(sample_seqs), V], sample_seqs)."""
+        """Run the batch; returns (fp32 logits [len(sample_seqs), V], sample_seqs); see ``run``."""
         return self.run(batch, self.prepare(batch))
 
     @torch.no_grad()
@@ -283,13 +302,14 @@ class ModelRunner:
         """Run prepared device inputs (``prepare`` or the async engine's input buffers).
 
         ``extra_options`` override the forward options (self-speculation's draft passes); such a
-        batch never replays the graphs captured with the engine-wide options."""
+        batch never replays the graphs captured with the engine-wide options. The logits have a row
+        per ``inputs.row_seqs``: the prompt rows, if any, follow the sampled ones."""
         n = len(batch)
         options, engine_wide = self.step_options(batch, inputs)
         if extra_options:
             options.update(extra_options)
             engine_wide = False
-        decode = self.graph_runner is not None and batch.is_decode_only and not extra_options
+        decode = self.graph_runner is not None and batch.is_decode_only and not extra_options and not inputs.prompt_rows
         row_runner = self.row_graph_runner(options) if decode and not engine_wide else None
         if decode and engine_wide and self.graph_runner.can_run(batch.total_tokens, n):
             logits = self.graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
@@ -307,4 +327,4 @@ class ModelRunner:
             )
         if isinstance(logits, tuple):
             logits = logits[0]
-        return logits[: len(inputs.sample_seqs)], inputs.sample_seqs
+        return logits[: len(inputs.sample_seqs) + len(inputs.prompt_rows)], inputs.sample_seqs

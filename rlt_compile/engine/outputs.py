@@ -43,6 +43,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first completion)
+    # SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (None for the first), in
+    # the first output after the whole prompt was computed
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         by_index = {c.index: c for c in self.outputs}
@@ -56,4 +59,6 @@ class RequestOutput:
                 by_index[c.index] = fresh
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)

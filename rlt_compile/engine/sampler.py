@@ -8,7 +8,8 @@ by their temperature, filtered by top-k, top-p and min-p, and sampled with the e
 ``argmax(p / q), q ~ Exp(1)``. A seeded request draws its noise from its own ``torch.Generator``
 (one draw of vocabulary size per token), so its tokens do not depend on what else is in the batch;
 unseeded rows share the engine's generator. Logprobs, when asked for, are the model's
-log-softmax (before penalties and temperature): the sampled token and the top ``logprobs``.
+log-softmax (before penalties and temperature): the sampled token and the top ``logprobs``
+(``logprob_entries``, which also gives the prompt tokens' logprobs of ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Sampler:
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, params, want_logprobs))
+        return SamplerOutput(token_list, logprob_entries(raw_logprobs, token_list, [p.logprobs for p in params]))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool], make=None) -> torch.Tensor:
         """``make(values, dtype)`` builds the small per-row tensors (the async engine's device
@@ -72,24 +73,30 @@ class Sampler:
             sampled = torch.where(make(greedy, torch.bool), logits.argmax(dim=-1), sampled)
         return sampled
 
-    @staticmethod
-    def _logprobs(raw, tokens, params, wanted) -> list[dict[int, float] | None]:
-        if raw is None:
-            return [None] * len(tokens)
-        rows = [i for i, w in enumerate(wanted) if w]
-        k = max(params[i].logprobs for i in rows)
-        sub = raw[rows]
-        chosen = sub.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None]).squeeze(1).tolist()
-        top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        out: list[dict[int, float] | None] = [None] * len(tokens)
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            entry = {tokens[i]: chosen[j]}
-            for tid, val in zip(top_ids[j][:n], top_vals[j][:n]):
-                entry.setdefault(tid, val)
-            out[i] = entry
-        return out
+
+def logprob_entries(
+    raw: torch.Tensor | None, tokens: list[int], counts: list[int | None]
+) -> list[dict[int, float] | None]:
+    """Per row of the log-softmax ``raw``: ``{token: logprob}`` of ``tokens[row]`` and the top
+    ``counts[row]`` alternatives, or None where ``counts[row]`` is None."""
+    if raw is None:
+        return [None] * len(tokens)
+    rows = [i for i, n in enumerate(counts) if n is not None]
+    if not rows:
+        return [None] * len(tokens)
+    k = max(counts[i] for i in rows)
+    sub = raw[rows]
+    chosen = sub.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out: list[dict[int, float] | None] = [None] * len(tokens)
+    for j, i in enumerate(rows):
+        n = counts[i]
+        entry = {tokens[i]: chosen[j]}
+        for tid, val in zip(top_ids[j][:n], top_vals[j][:n]):
+            entry.setdefault(tid, val)
+        out[i] = entry
+    return out
 
 
 def _maker(device: torch.device):

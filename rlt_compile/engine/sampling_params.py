@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's option)
     skip_special_tokens: bool = True
     # Depth (looped models): Ouro exit policy, per-request loop count (Huginn recurrences).
     exit_policy: str | None = None  # "full" | "threshold" | "fixed"; None: the engine's default
@@ -90,11 +91,13 @@ class SamplingParams:
         _check(
             self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer or None, got {self.seed!r}"
         )
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs",
-            f"must be None or an integer >= 0, got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
+                name,
+                f"must be None or an integer >= 0, got {value!r}",
+            )
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stops), "stop", f"must be non-empty strings, got {self.stop!r}")
         self.stop_strings = stops

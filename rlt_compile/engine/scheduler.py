@@ -154,7 +154,7 @@ class Scheduler:
             if not seq.ready():
                 i += 1
                 continue
-            matched = self.bm.match_prefix(seq.token_ids)
+            matched = [] if seq.prompt_logprobs_pending else self.bm.match_prefix(seq.token_ids)
             remaining = len(seq) - len(matched) * self.bm.block_size
             if remaining > budget and not chunked and batch.seqs:
                 break  # whole prefills only; an empty batch takes it even over budget

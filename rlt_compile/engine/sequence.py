@@ -51,6 +51,10 @@ class Sequence:
         self.num_preemptions = 0
         self.generator = None  # torch.Generator for seeded requests, made by the sampler on first use
         self.logprobs: list[dict[int, float]] = []
+        # prompt_logprobs: one entry per prompt token computed so far, None for the first token, which
+        # nothing predicts (every completion of the request computes them: whichever emits first has them)
+        wants_prompt = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if wants_prompt else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -65,6 +69,12 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt tokens still need their logprobs (such a sequence takes no prefix-cache hit:
+        the cached positions' logits would never be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def __repr__(self) -> str:
         return (

@@ -200,30 +200,41 @@ class _Collected:
 
 
 # -- logprob formats --------------------------------------------------------------------------
-class _CompletionLogprobs:
-    """OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of one choice.
+class _CompletionChoice:
+    """The text and OpenAI completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
+    one choice, delta by delta.
 
     ``text_offset`` counts characters of the choice's text: each delta starts where the text so far
-    ends, and tokens within a delta advance by the length of their own text.
+    ends, and tokens within a delta advance by the length of their own text. With ``echo`` (the
+    prompt's text) the first delta starts with the prompt, and its logprobs with the prompt tokens'
+    (the first one's None, as nothing predicts it).
     """
 
-    def __init__(self, state: ServerState, top: int):
-        self.state, self.top, self.text_length = state, top, 0
+    def __init__(self, state: ServerState, top: int, echo: str | None = None):
+        self.state, self.top, self.text_length, self.echo = state, top, 0, echo
 
-    def build(self, c: CompletionOutput) -> dict | None:
-        start, self.text_length = self.text_length, self.text_length + len(c.text)
+    def build(
+        self, c: CompletionOutput, prompt_ids: list[int], prompt_logprobs: list | None
+    ) -> tuple[str, dict | None]:
+        text, entries = c.text, []
+        if self.echo is not None:
+            text = self.echo + text
+            entries += zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids))
+            self.echo = None
+        start, self.text_length = self.text_length, self.text_length + len(text)
         if c.logprobs is None:
-            return None
+            return text, None
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = start
-        for token, lps in zip(c.token_ids, c.logprobs):
-            text = self.state.token_text(token)
-            tokens.append(text)
-            token_lps.append(lps.get(token))
-            tops.append({self.state.token_text(t): lp for t, lp in _top(lps, self.top)} if self.top else None)
+        for token, lps in [*entries, *zip(c.token_ids, c.logprobs)]:
+            token_text = self.state.token_text(token)
+            tokens.append(token_text)
+            token_lps.append(None if lps is None else lps.get(token))
+            top = self.top and lps is not None
+            tops.append({self.state.token_text(t): lp for t, lp in _top(lps, self.top)} if top else None)
             offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+            offset += len(token_text)
+        return text, {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _chat_logprobs(state: ServerState, c: CompletionOutput, top: int) -> dict | None:
@@ -408,11 +419,20 @@ def build_app(
         n = params.n
         want_ids = body.return_token_ids
 
-        def choice(index: int, c: CompletionOutput, lp: _CompletionLogprobs) -> dict:
+        def echo(index: int) -> str | None:
+            if not body.echo:
+                return None
+            prompt = prompts[index]
+            if isinstance(prompt, str):
+                return prompt
+            return state.tokenizer.decode(prompt, skip_special_tokens=False) if state.tokenizer is not None else ""
+
+        def choice(index: int, c: CompletionOutput, lp: _CompletionChoice, out: RequestOutput, prompt_lps) -> dict:
+            text, logprobs = lp.build(c, out.prompt_token_ids, prompt_lps)
             item = {
                 "index": index * n + c.index,
-                "text": c.text,
-                "logprobs": lp.build(c),
+                "text": text,
+                "logprobs": logprobs,
                 "finish_reason": _finish_reason(c),
                 "stop_reason": c.stop_reason,
             }
@@ -430,7 +450,9 @@ def build_app(
                 watcher.cancel()
                 _abort_unfinished(state.async_engine, streams)
             choices = [
-                choice(i, c, _CompletionLogprobs(state, top)) for i, out in enumerate(results) for c in out.outputs
+                choice(i, c, _CompletionChoice(state, top, echo(i)), out, out.prompt_logprobs)
+                for i, out in enumerate(results)
+                for c in out.outputs
             ]
             choices.sort(key=lambda ch: ch["index"])
             prompt_tokens = sum(len(out.prompt_token_ids) for out in results)
@@ -445,20 +467,25 @@ def build_app(
             }
 
         async def sse() -> AsyncIterator[str]:
-            lps: dict[tuple[int, int], _CompletionLogprobs] = {}
+            lps: dict[tuple[int, int], _CompletionChoice] = {}
+            prompt_lps: dict[int, list] = {}  # with the first delta of a prompt's first completion
             prompt_tokens = {s.index: s.prompt_tokens for s in streams}
             completion_tokens = 0
             try:
                 async for index, delta in iterate_streams(streams):
+                    if delta.prompt_logprobs is not None:
+                        prompt_lps[index] = delta.prompt_logprobs
                     for c in delta.outputs:
                         completion_tokens += len(c.token_ids)
-                        lp = lps.setdefault((index, c.index), _CompletionLogprobs(state, top))
+                        lp = lps.get((index, c.index))
+                        if lp is None:
+                            lp = lps[index, c.index] = _CompletionChoice(state, top, echo(index))
                         chunk = {
                             "id": request_id,
                             "object": "text_completion",
                             "created": created,
                             "model": model_name,
-                            "choices": [choice(index, c, lp)],
+                            "choices": [choice(index, c, lp, delta, prompt_lps.get(index))],
                         }
                         yield _sse(chunk)
                 if body.include_usage:

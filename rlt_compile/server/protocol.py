@@ -116,13 +116,16 @@ class CompletionRequest(_SamplingFields):
     return_token_ids: bool = False  # extension: add each choice's generated token ids
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo: not supported")
+        """With ``echo`` and ``logprobs`` the prompt tokens get logprobs too (``prompt_logprobs``)."""
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
-        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        params = self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+            params.verify()
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""
