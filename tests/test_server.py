@@ -197,6 +197,23 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     assert plain.choices[0].logprobs is None
 
 
+def test_tokenize_and_detokenize_match_what_generation_uses(http, offline):
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT})
+    ids = offline.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert chat == offline.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == offline.tokenizer.decode(ids)
+    for path, body, param in [
+        ("/detokenize", {"tokens": [1, 99999]}, "tokens"),
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+    ]:
+        bad = http.post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+
+
 def test_chat_matches_offline(client, offline):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     want = offline.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]

@@ -42,7 +42,10 @@ from rlt_compile.server.async_engine import (
 from rlt_compile.server.metrics import ServerMetrics
 from rlt_compile.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
     model_card,
     new_id,
@@ -110,6 +113,28 @@ class ServerState:
             raise APIError(
                 404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found"
             )
+
+    def chat_prompt_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, chat_template_kwargs: dict | None
+    ) -> list[int]:
+        """The prompt token ids of chat ``messages`` through the tokenizer's chat template; APIError
+        400 (param ``messages``) when the model has no template or the template fails."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "messages: this model has no chat template", "invalid_request_error", "messages")
+        try:
+            dicts = [m.as_template_dict() for m in messages]
+        except ValueError as e:
+            raise invalid_request(e) from e
+        try:
+            text = tokenizer.apply_chat_template(
+                dicts, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:
+            raise APIError(
+                400, f"messages: cannot apply the chat template: {e}", "invalid_request_error", "messages"
+            ) from e
 
     def token_text(self, token_id: int) -> str:
         """How one token reads (for logprobs); ``token_id:N`` without a tokenizer."""
@@ -401,6 +426,34 @@ def build_app(
         cards = [model_card(n, state.engine.max_model_len, state.created) for n in state.model_names]
         return {"object": "list", "data": cards}
 
+    # -- tokenizer -------------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give either prompt or messages", "invalid_request_error", "prompt")
+        if body.messages is not None:
+            tokens = state.chat_prompt_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        else:
+            try:
+                tokens = state.engine.tokenize(body.prompt)
+            except ValueError as e:
+                raise invalid_request(e) from e
+        return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if state.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "invalid_request_error", "tokens")
+        vocab = state.engine.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"tokens: {bad[:5]} outside the vocabulary [0, {vocab})", "invalid_request_error", "tokens"
+            )
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
     # -- completions -----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -511,25 +564,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        tokenizer = state.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "messages: this model has no chat template", "invalid_request_error", "messages")
-        try:
-            messages = [m.as_template_dict() for m in body.messages]
-        except ValueError as e:
-            raise invalid_request(e) from e
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            )
-            prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
-        except Exception as e:
-            raise APIError(
-                400, f"messages: cannot apply the chat template: {e}", "invalid_request_error", "messages"
-            ) from e
+        prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         room = state.engine.max_model_len - len(prompt_ids)
         try:
             params = body.sampling_params(default_max_tokens=max(room, 1))
