@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default=None,
+        help="sampling defaults: the checkpoint's generation_config.json (auto, default) or none (vllm)",
+    )
     p.add_argument("--async-scheduling", action="store_true", help="prepare step n+1 while step n runs")
     p.add_argument("--depth-batching", action="store_true", help="decode tokens advance one loop step per step")
     p.add_argument("--wavefront-prefill-chunk", type=int, default=None, help="wavefront chunked prefill chunk size")
@@ -71,6 +77,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization",
         "scheduling_policy",
         "seed",
+        "generation_config",
         "speculative_num_draft",
         "speculative_draft_steps",
         "wavefront_prefill_chunk",

@@ -218,6 +218,30 @@ def test_prompt_logprobs_rejected_where_unsupported(model):
         eng.add_request("a", [5, 6], greedy(2, prompt_logprobs=1))
 
 
+def test_generation_config_sets_the_sampling_defaults(tiny_dirs, tmp_path, caplog):
+    """As vLLM's ``--generation-config auto``: what a request leaves unset comes from the checkpoint's
+    generation_config.json (max_new_tokens as max_tokens); "vllm" ignores it; a bad value is ignored
+    with a warning rather than breaking every request."""
+    import shutil
+
+    folder = tmp_path / "ouro"
+    shutil.copytree(tiny_dirs["ouro"], folder)
+    (folder / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3, "top_k": 5}')
+    llm = LLM(str(folder), num_blocks=96)
+    assert llm.engine.sampling_defaults == {"temperature": 0.0, "top_k": 5, "max_tokens": 3}
+    out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy_generate(llm.engine.model, [5, 6, 7], 3)[0]
+    explicit = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
+    assert len(explicit.outputs[0].token_ids) == 5  # a request's own values win
+    plain = LLM(str(folder), num_blocks=96, generation_config="vllm")
+    assert plain.engine.sampling_defaults == {} and plain.engine.default_sampling_params() == SamplingParams()
+    (folder / "generation_config.json").write_text('{"temperature": -1}')
+    assert LLM(str(folder), num_blocks=96).engine.sampling_defaults == {}
+    assert "ignored" in caplog.text
+    with pytest.raises(ValueError, match="^generation_config:"):
+        LLM(str(folder), num_blocks=96, generation_config="model")
+
+
 def test_eos_stops_unless_ignored(model):
     eng = LLMEngine(model, num_blocks=96)
     ids = [5, 6, 7]

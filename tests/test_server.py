@@ -214,6 +214,23 @@ def test_tokenize_and_detokenize_match_what_generation_uses(http, offline):
     assert http.post("/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
 
 
+def test_generation_config_defaults_apply_where_a_request_sets_nothing(tiny_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "ouro"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3}')
+    llm = LLM(str(folder), device="cpu", num_blocks=96)
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].text
+    with Server(build_app(llm, served_model_name=MODEL)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": PROMPT}).json()
+        assert r["choices"][0]["text"] == want and r["usage"]["completion_tokens"] == 3
+        chat = c.post("/v1/chat/completions", json={"messages": MESSAGES}).json()
+        assert chat["usage"]["completion_tokens"] <= 3
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0}).json()
+        assert r["usage"]["completion_tokens"] == 5
+
+
 def test_chat_matches_offline(client, offline):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     want = offline.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]

@@ -58,6 +58,8 @@ def test_cli_options_map_to_engine_config():
     assert engine_options(build_parser().parse_args(["--model", "m", "--depth-batching"]))["depth_batching"]
     args = build_parser().parse_args(["--model", "m", "--wavefront-prefill-chunk", "64"])
     assert engine_options(args)["wavefront_prefill_chunk"] == 64
+    args = build_parser().parse_args(["--model", "m", "--generation-config", "vllm"])
+    assert engine_options(args)["generation_config"] == "vllm"
 
 
 def test_serve_process_streams_and_shuts_down_gracefully(tiny_dirs):

@@ -56,6 +56,10 @@ class EngineConfig:
     # or nothing runs), so their prefills share one step. None: 1, or max_num_seqs // 4 with
     # depth_batching, where rows exit one by one and each lone prefill would be a pass of its own.
     admission_batch: int | None = None
+    # Sampling defaults for what a request leaves unset: "auto" takes temperature, top_p, top_k, min_p,
+    # repetition_penalty and max_new_tokens (as max_tokens) from the checkpoint's generation_config.json,
+    # as vLLM does; "vllm" ignores it (SamplingParams' own defaults).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -63,6 +67,11 @@ class EngineConfig:
                 raise ValueError(f"{name}: {message}")
 
         check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(
+            self.generation_config in ("auto", "vllm"),
+            "generation_config",
+            f"must be 'auto' or 'vllm', got {self.generation_config!r}",
+        )
         check(
             self.admission_batch is None or 1 <= self.admission_batch <= self.max_num_seqs,
             "admission_batch",

@@ -74,7 +74,7 @@ class LLM:
         this call are withdrawn).
         """
         prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompts), SamplingParams(), "sampling_params")
+        params = _per_prompt(sampling_params, len(prompts), self.engine.default_sampling_params(), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), 0, "priority")
         ids = []
         try:

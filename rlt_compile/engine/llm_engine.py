@@ -42,7 +42,7 @@ from rlt_compile.engine.detokenizer import detokenize_step, find_stop_string
 from rlt_compile.engine.model_runner import ModelRunner, choose_num_blocks
 from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
 from rlt_compile.engine.sampler import Sampler, logprob_entries, sampling_probs
-from rlt_compile.engine.sampling_params import SamplingParams
+from rlt_compile.engine.sampling_params import SamplingParams, generation_defaults
 from rlt_compile.engine.scheduler import ScheduledBatch, Scheduler
 from rlt_compile.engine.sequence import Sequence
 from rlt_compile.models.base import LoopedLM
@@ -131,6 +131,7 @@ class LLMEngine:
         self.wavefront_chunk = self._wavefront_chunk()
         self.sampler = Sampler(device, self.config.seed)
         self.eos_token_ids = collect_eos_ids(model, self.tokenizer)
+        self.sampling_defaults = self._sampling_defaults()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
@@ -210,6 +211,24 @@ class LLMEngine:
             self.depth.join(*args, *self.runner.ouro_exit(seq.params))
 
     # -- requests ------------------------------------------------------------------------------
+    def _sampling_defaults(self) -> dict:
+        if self.config.generation_config != "auto":
+            return {}
+        defaults = generation_defaults(getattr(self.model, "generation_config", None))
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            log.warning("generation_config.json: sampling defaults %s ignored (%s)", defaults, e)
+            return {}
+        if defaults:
+            log.info("sampling defaults from generation_config.json: %s", defaults)
+        return defaults
+
+    def default_sampling_params(self, **fields) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation-config defaults (``generation_config="auto"``),
+        then ``fields``."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
@@ -226,7 +245,7 @@ class LLMEngine:
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_sampling_params()
         params.verify()
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")

@@ -10,6 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EXIT_POLICIES = (None, "full", "threshold", "fixed")
+# generation_config.json keys that set a checkpoint's sampling defaults -> SamplingParams fields (vLLM's)
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(generation_config: dict | None) -> dict:
+    """The SamplingParams defaults a checkpoint's generation_config.json sets (vLLM's
+    ``--generation-config auto``): the keys of ``GENERATION_CONFIG_KEYS`` that it has."""
+    config = generation_config or {}
+    return {name: config[key] for key, name in GENERATION_CONFIG_KEYS.items() if config.get(key) is not None}
 
 
 @dataclass

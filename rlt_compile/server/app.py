@@ -459,7 +459,7 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
         try:
-            params = body.sampling_params()
+            params = body.sampling_params(state.engine.sampling_defaults)
             prompts = body.prompts()
         except ValueError as e:
             raise invalid_request(e) from e
@@ -567,7 +567,7 @@ def build_app(
         prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         room = state.engine.max_model_len - len(prompt_ids)
         try:
-            params = body.sampling_params(default_max_tokens=max(room, 1))
+            params = body.sampling_params(max(room, 1), state.engine.sampling_defaults)
         except ValueError as e:
             raise invalid_request(e) from e
         aliases = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}

@@ -59,8 +59,9 @@ class _SamplingFields(BaseModel):
     exit_threshold: float | None = None
     num_steps: int | None = None
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; raises ValueError naming the bad field."""
+    def _params(self, max_tokens: int, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """SamplingParams for this request, ``defaults`` (the engine's generation-config defaults)
+        where it sets nothing; raises ValueError naming the bad field."""
         values: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -88,6 +89,8 @@ class _SamplingFields(BaseModel):
             "frequency_penalty",
         ):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 values[name] = value
         return SamplingParams(**values)
@@ -108,20 +111,21 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # default: the generation config's max_new_tokens, else 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
     return_token_ids: bool = False  # extension: add each choice's generated token ids
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
         """With ``echo`` and ``logprobs`` the prompt tokens get logprobs too (``prompt_logprobs``)."""
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
-        params = self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens", 16)
+        params = self._params(max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs
             params.verify()
@@ -173,11 +177,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """``default_max_tokens`` applies when neither max_tokens nor max_completion_tokens is given."""
+    def sampling_params(self, default_max_tokens: int, defaults: dict) -> SamplingParams:
+        """Without max_tokens or max_completion_tokens: ``default_max_tokens`` (the room left in the
+        context), at most the generation config's max_new_tokens."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
-            max_tokens = default_max_tokens
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
         if self.tools:
             raise ValueError("tools: tool / function calling is not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -186,7 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._params(max_tokens, logprobs)
+            return self._params(max_tokens, logprobs, defaults)
         except ValueError as e:
             msg = str(e)
             if msg.startswith("logprobs:"):
