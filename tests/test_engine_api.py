@@ -88,6 +88,16 @@ def test_greedy_generate_matches_runner_and_tokenizer(llm, model):
     assert out.finished and out.outputs[0].finish_reason == "length"
 
 
+def test_vllm_dict_prompts(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    want = llm.generate([PROMPT, ids], greedy(3), use_tqdm=False)
+    got = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], greedy(3), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.generate({"prompt_token_ids": ids}, greedy(3), use_tqdm=False)[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="^prompt: a dict prompt"):
+        llm.generate([{"prompt": PROMPT, "multi_modal_data": {}}], greedy(3), use_tqdm=False)
+
+
 def test_stop_token_ids_and_stop_strings(llm):
     base = llm.generate(PROMPT, greedy(8), use_tqdm=False)[0].outputs[0]
     tokens, words = base.token_ids, base.text.split(" ")

@@ -63,7 +63,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
@@ -153,11 +153,23 @@ def _shard(model: LoopedLM, size: int) -> LoopedLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+    """Prompts as strings or token-id lists; vLLM's dict forms ``{"prompt": text}`` and
+    ``{"prompt_token_ids": ids}`` are accepted too."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    elif isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
-    return list(prompts)
+    return [_unwrap_prompt(p) for p in prompts]
+
+
+def _unwrap_prompt(prompt):
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"prompt: a dict prompt has either 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
 
 
 def _per_prompt(value, count: int, default, name: str) -> list:
