@@ -125,6 +125,35 @@ def test_no_register_spills_on_any_target(reports):
     assert not spilled, spilled
 
 
+def test_no_wgmma_serialized_on_sm90(reports):
+    """ptxas serializes every wgmma of a kernel (note C7515: each waits for the previous one) when it
+    cannot keep their accumulators apart, e.g. with a score tile carried across loop iterations (the
+    TMA prefill with the next tile's scores issued before this tile's softmax, tried offline in
+    session 19). None of our kernels may trigger it."""
+    assert all("ptxas_perf_warnings" in r.extra for r in reports["sm_90"] if r.ok)
+    warned = [
+        (r.spec.short_name, r.spec.describe(), w) for r in reports["sm_90"] for w in r.extra["ptxas_perf_warnings"]
+    ]
+    assert not warned, warned
+
+
+def test_ptxas_performance_notes_are_parsed():
+    log = (
+        "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline "
+        "stage in the function '_prefill_tma_kernel' in line 1942\n"
+        "ptxas info    : Function properties for _prefill_tma_kernel\n"
+        "ptxas info    : Used 220 registers, used 1 barriers\n"
+    )
+    info = aot._parse_ptxas_log(log, "_prefill_tma_kernel")
+    assert info["n_regs"] == 220
+    assert info["perf_warnings"] == [
+        "(C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma "
+        "instructions defining accumulator registers of a wgmma between start and end of the pipeline stage"
+    ]
+    assert aot._parse_ptxas_log("ptxas info    : Used 31 registers", "k")["perf_warnings"] == []
+
+
 def test_amd_register_metadata_is_recorded(reports):
     for target in ("gfx942", "gfx950"):
         for r in reports[target]:

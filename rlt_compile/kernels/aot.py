@@ -534,6 +534,9 @@ class KernelReport:
 
 
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+# ptxas's own performance notes, e.g. "(C7515) Potential Performance Loss: wgmma.mma_async
+# instructions are serialized due to ...": every wgmma of the kernel then waits for the previous one
+_PTXAS_PERF = re.compile(r"(\(C\d+\) Potential Performance Loss: .*?)(?: in the function '\w+'.*)?$", re.MULTILINE)
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -548,6 +551,7 @@ def _parse_ptxas_log(log: str, name: str) -> dict:
         out["stack"], out["spill_stores"], out["spill_loads"] = (int(g) for g in m.groups())
     if m := _PTXAS_REGS.search(section):
         out["n_regs"] = int(m.group(1))
+    out["perf_warnings"] = [w.strip() for w in _PTXAS_PERF.findall(log)]
     return out
 
 
@@ -589,6 +593,7 @@ def _fill_metadata(report: KernelReport, kernel, ptxas_log: str, arch_num) -> No
         if "n_regs" not in info and "ptx" in kernel.asm:
             info = _parse_ptxas_log(_ptxas_rerun(kernel.asm["ptx"], arch_num), md.name)
         report.n_regs = info.get("n_regs")
+        report.extra["ptxas_perf_warnings"] = info.get("perf_warnings", [])
         if "stack" in info:
             report.n_spills = info["stack"] // 4  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES / 4, as Triton
             report.spill_stores, report.spill_loads = info["spill_stores"], info["spill_loads"]
@@ -774,6 +779,8 @@ def format_table(reports: Sequence[KernelReport]) -> str:
     for r in reports:
         if not r.ok:
             lines.append(f"FAILED {r.target} {r.spec.short_name} [{', '.join(r.spec.labels)}]: {r.error}")
+        for warning in r.extra.get("ptxas_perf_warnings", []):
+            lines.append(f"PTXAS {r.target} {r.spec.short_name} [{r.spec.describe()}]: {warning}")
     return "\n".join(lines)
 
 
