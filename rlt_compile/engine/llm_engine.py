@@ -635,14 +635,13 @@ class LLMEngine:
             done = [s.prompt_logprobs for s in request.seqs if not s.prompt_logprobs_pending]
             if done:  # with the first completion's first tokens
                 prompt_logprobs, request.sent_prompt_logprobs = list(done[0]), True
-        first = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=all(s.finish_reason is not None for s in request.seqs),
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
         )
 

@@ -3,8 +3,8 @@
 It flattens the batch (varlen layout, see ``kernels/metadata.py``): each sequence contributes the
 ``num_tokens`` tokens after its ``num_computed_tokens``, and a logits row only when those finish
 its uncomputed tokens (a partial prefill chunk produces none). With ``prompt_logprobs`` the rows of
-the prompt positions a request asked logprobs for follow the sampled rows. The step function is the model, or
-``rlt_compile.compiler.compile_model(model, ...)`` with ``compile=True``; with
+the prompt positions a request asked logprobs for follow the sampled rows. The step function is the
+model, or ``rlt_compile.compiler.compile_model(model, ...)`` with ``compile=True``; with
 ``use_cuda_graphs=True`` decode-only batches replay ``rlt_compile.graphs.CudaGraphRunner`` graphs.
 Both modules are optional: when one is missing the runner warns and falls back to the plain path.
 """
