@@ -259,6 +259,24 @@ def test_sampler_greedy_limits_and_seeds():
     assert draws(7, 0) != draws(8, 0)
 
 
+def test_prompt_logprobs_recorded_in_chunks_equal_one_pass():
+    from rlt_compile.engine.llm_engine import LLMEngine
+
+    logits = torch.randn(7, 20, generator=torch.Generator().manual_seed(3))
+    recorded = []
+    for chunk in (512, 2):
+        a = _seq([3, 9, 4, 11, 2], params=SamplingParams(prompt_logprobs=2))
+        b = _seq([5, 6, 7, 8], params=SamplingParams(prompt_logprobs=0))
+        rows = [(a, 0), (a, 1), (a, 2), (a, 3), (b, 0), (b, 1), (b, 2)]
+        LLMEngine._record_prompt_logprobs(logits, rows, chunk=chunk)
+        recorded.append((a.prompt_logprobs, b.prompt_logprobs))
+    assert recorded[0] == recorded[1]
+    (a_lps, b_lps) = recorded[0]
+    ref = torch.log_softmax(logits, -1)
+    assert a_lps[0] is None and len(a_lps) == 5 and len(a_lps[2]) in (2, 3)  # the token and the top 2
+    assert a_lps[2][4] == pytest.approx(ref[1, 4].item()) and b_lps[3] == pytest.approx({8: ref[6, 8].item()})
+
+
 def test_sampler_logprobs():
     sampler = Sampler("cpu")
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])

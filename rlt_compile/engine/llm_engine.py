@@ -357,15 +357,16 @@ class LLMEngine:
         return self._sample(logits[: len(sample_seqs)], sample_seqs)
 
     @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
-        """Append each row's prompt-token logprob entry (rows come in position order per sequence)."""
-        tokens = [seq.token_ids[q + 1] for seq, q in rows]
-        entries = logprob_entries(
-            torch.log_softmax(logits.float(), dim=-1), tokens, [s.params.prompt_logprobs for s, _ in rows]
-        )
-        for (seq, q), entry in zip(rows, entries):
-            assert len(seq.prompt_logprobs) == q + 1, (seq, q)
-            seq.prompt_logprobs.append(entry)
+    def _record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int]], chunk: int = 512) -> None:
+        """Append each row's prompt-token logprob entry (rows come in position order per sequence),
+        ``chunk`` rows at a time: a prefill's rows x the vocabulary in fp32 can be gigabytes."""
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            raw = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)
+            tokens = [seq.token_ids[q + 1] for seq, q in part]
+            for (seq, q), entry in zip(part, logprob_entries(raw, tokens, [s.params.prompt_logprobs for s, _ in part])):
+                assert len(seq.prompt_logprobs) == q + 1, (seq, q)
+                seq.prompt_logprobs.append(entry)
 
     def _account(self, batch: ScheduledBatch) -> None:
         """Count the step and its tokens; the scheduled tokens are computed (and their full blocks cached)."""
