@@ -97,3 +97,32 @@ def test_cuda_graphs_capture_data_dependent_exits(tiny_dirs):
     fixed = LLMEngine(compiled, num_blocks=256, model_options={**opts, "exit_at_step": 1}, compile=True,
                       use_cuda_graphs=True, max_num_seqs=8)  # fmt: skip
     assert fixed.runner.graph_runner is not None
+
+
+def test_cuda_compiled_prompt_logprobs_and_penalties_match_eager(tiny_dirs):
+    """Session 19's sampling options through the compiled step and graphs (fp32): prompt_logprobs
+    rows follow the sampled rows in a compiled prefill (more logits rows than sequences), and the
+    penalties / logit bias run in the sampler after graph-replayed decode steps."""
+    prompts = _prompts(6, seed=4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={40: 3.0}),
+    ] * 2
+
+    def run(eng: LLMEngine):
+        ids = [eng.add_request(None, p, q) for p, q in zip(prompts, params)]
+        done = eng.run_to_completion()
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        return [done[i] for i in ids]
+
+    model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda")
+    want = run(LLMEngine(model, num_blocks=256))
+    fast = LLMEngine(model, num_blocks=256, compile=True, use_cuda_graphs=True, max_num_seqs=8)
+    got = run(fast)
+    assert fast.runner.graph_runner is not None and fast.runner.graph_runner.replays > 0
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    for g, w in zip(got, want):
+        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
+        for eg, ew in zip(g.prompt_logprobs or [], w.prompt_logprobs or []):
+            assert (eg is None and ew is None) or eg == pytest.approx(ew, abs=1e-3)
