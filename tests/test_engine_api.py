@@ -331,6 +331,20 @@ def test_chat_uses_template(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids[:2]
 
 
+def test_chat_template_errors_name_the_messages(llm, monkeypatch):
+    from rlt_compile.engine.llm import chat_prompt_ids
+
+    with pytest.raises(ValueError, match="^messages: this model has no chat template"):
+        chat_prompt_ids(None, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="^messages: cannot apply the chat template"):
+        llm.chat(
+            [{"role": "user", "content": "hi"}], greedy(2), chat_template_kwargs={"tokenize": True}, use_tqdm=False
+        )
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="^messages: this model has no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)
+
+
 def test_max_model_len_and_queue_limit(model):
     eng = LLMEngine(model, num_blocks=96, max_model_len=10, max_queue_size=2)
     eng.add_request("a", [1, 2, 3, 4, 5, 6, 7, 8], greedy(20))

@@ -95,20 +95,9 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations."""
-        if self.tokenizer is None:
-            raise ValueError("messages: chat needs a tokenizer with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(
-                    conv,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    **(chat_template_kwargs or {}),
-                ),
-                add_special_tokens=False,
-            )
-            for conv in conversations
+            chat_prompt_ids(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs) for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -150,6 +139,23 @@ def _shard(model: LoopedLM, size: int) -> LoopedLM:
     if world != size:
         raise ValueError(f"tensor_parallel_size: {size} but the process group has {world} ranks (use torchrun)")
     return tensor_parallel(model)
+
+
+def chat_prompt_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+) -> list[int]:
+    """The prompt token ids of a conversation: the tokenizer's chat template as text, then encoded
+    without special tokens (the template writes them). ValueError (``messages: ...``) when there is
+    no template or it fails on these messages. ``LLM.chat`` and the server's chat and /tokenize use it."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as e:
+        raise ValueError(f"messages: cannot apply the chat template: {e}") from e
 
 
 def _as_prompt_list(prompts) -> list:

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rlt_compile.engine.llm import chat_prompt_ids
 from rlt_compile.engine.llm_engine import LLMEngine, QueueFullError
 from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
 from rlt_compile.engine.sampling_params import SamplingParams
@@ -117,24 +118,14 @@ class ServerState:
     def chat_prompt_ids(
         self, messages: list[ChatMessage], add_generation_prompt: bool, chat_template_kwargs: dict | None
     ) -> list[int]:
-        """The prompt token ids of chat ``messages`` through the tokenizer's chat template; APIError
-        400 (param ``messages``) when the model has no template or the template fails."""
-        tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "messages: this model has no chat template", "invalid_request_error", "messages")
+        """The prompt token ids of chat ``messages`` (``engine.llm.chat_prompt_ids``); APIError 400
+        (param ``messages``) when the model has no template or the template fails."""
         try:
-            dicts = [m.as_template_dict() for m in messages]
+            return chat_prompt_ids(
+                self.tokenizer, [m.as_template_dict() for m in messages], add_generation_prompt, chat_template_kwargs
+            )
         except ValueError as e:
             raise invalid_request(e) from e
-        try:
-            text = tokenizer.apply_chat_template(
-                dicts, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-            )
-            return list(tokenizer.encode(text, add_special_tokens=False))
-        except Exception as e:
-            raise APIError(
-                400, f"messages: cannot apply the chat template: {e}", "invalid_request_error", "messages"
-            ) from e
 
     def token_text(self, token_id: int) -> str:
         """How one token reads (for logprobs); ``token_id:N`` without a tokenizer."""
