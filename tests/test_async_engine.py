@@ -238,6 +238,37 @@ def test_penalties_fall_back_to_a_synchronous_step(models, adjust, needs_history
     assert (fast.async_scheduler.sync_steps > 0) == needs_history
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_async_equal_sync_in_chunks_and_preemption(models, family):
+    """The prompt rows of an async step are recorded at launch (prompt tokens are never
+    placeholders): the same entries as the synchronous engine, with chunked prefill and a pool
+    small enough to preempt."""
+    reqs = [
+        (p, SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=i % 3))
+        for i, p in enumerate(prompts(6, seed=5, max_len=30))
+    ]
+    outs = []
+    for async_scheduling in (False, True):
+        eng = LLMEngine(
+            models[family],
+            model_options=family_options(family),
+            async_scheduling=async_scheduling,
+            block_size=4,
+            num_blocks=10,
+            max_num_batched_tokens=9,
+        )
+        ids = [eng.add_request(None, p, params) for p, params in reqs]
+        done = eng.run_to_completion()
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        outs.append(([done[i].prompt_logprobs for i in ids], [done[i].outputs[0].token_ids for i in ids], eng))
+    (want, want_tokens, sync), (got, got_tokens, fast) = outs
+    assert got_tokens == want_tokens and sync.stats.preemptions > 0 and fast.stats.preemptions > 0
+    for g, w, (p, _) in zip(got, want, reqs):
+        assert len(g) == len(w) == len(p) and g[0] is None and w[0] is None
+        for eg, ew in zip(g[1:], w[1:]):
+            assert eg.keys() == ew.keys() and all(abs(eg[t] - ew[t]) < 1e-4 for t in eg)
+
+
 def test_abort_while_a_step_is_in_flight(models):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     keep, drop = prompts(2, seed=10)

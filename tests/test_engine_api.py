@@ -223,8 +223,8 @@ def test_prompt_logprobs_rejected_where_unsupported(model):
     eng = LLMEngine(model, num_blocks=96)
     with pytest.raises(ValueError, match="^prompt_logprobs: 1000 exceeds"):
         eng.add_request("a", [5, 6], greedy(2, prompt_logprobs=1000))
-    eng = LLMEngine(model, num_blocks=96, async_scheduling=True)
-    with pytest.raises(ValueError, match="^prompt_logprobs: not supported with async_scheduling"):
+    eng = LLMEngine(model, num_blocks=96, wavefront_prefill_chunk=8)
+    with pytest.raises(ValueError, match="^prompt_logprobs: not supported with wavefront_prefill_chunk"):
         eng.add_request("a", [5, 6], greedy(2, prompt_logprobs=1))
 
 

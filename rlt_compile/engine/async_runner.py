@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from rlt_compile.engine.input_buffers import PLACEHOLDER, InputBuffers, SeqChunk
-from rlt_compile.engine.model_runner import StepInputs
+from rlt_compile.engine.model_runner import StepInputs, prompt_logprob_rows
 from rlt_compile.engine.sampler import adjust_logits
 from rlt_compile.engine.scheduler import ScheduledBatch
 from rlt_compile.engine.sequence import Sequence
@@ -250,9 +250,16 @@ class AsyncScheduler:
         tensors = self.buffers.stage(chunks, runner.block_size)
         if tensors.num_gather:
             tensors.input_ids.index_copy_(0, tensors.gather_dst, prev.tokens_dev.index_select(0, tensors.gather_src))
-        inputs = StepInputs(tensors.input_ids, tensors.positions, tensors.attn, tensors.logits_indices, sample_seqs)
+        indices = tensors.logits_indices
+        prompt_rows, prompt_indices = prompt_logprob_rows(batch)
+        if prompt_rows:  # prompt tokens are never placeholders: their logprobs are recorded right away
+            indices = torch.cat([indices, torch.tensor(prompt_indices, dtype=torch.long).to(indices.device)])
+        inputs = StepInputs(tensors.input_ids, tensors.positions, tensors.attn, indices, sample_seqs, prompt_rows)
         logits, _ = runner.run(batch, inputs)
         self.buffers.release(tensors)
+        if prompt_rows:
+            self.engine._record_prompt_logprobs(logits[len(sample_seqs) :], prompt_rows)
+            logits = logits[: len(sample_seqs)]
         record = StepRecord(self.steps, list(batch.seqs), sample_seqs, {s.seq_id: i for i, s in enumerate(sample_seqs)})
         if sample_seqs:
             record.tokens_dev, pack = self.sampler(logits, sample_seqs)

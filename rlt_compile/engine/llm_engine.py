@@ -286,10 +286,8 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{name}: {value} exceeds the vocabulary size {vocab}")
-        if params.prompt_logprobs is not None:
-            unsupported = [o for o in ("async_scheduling", "wavefront_prefill_chunk") if getattr(self.config, o)]
-            if unsupported:
-                raise ValueError(f"prompt_logprobs: not supported with {unsupported[0]}")
+        if params.prompt_logprobs is not None and self.config.wavefront_prefill_chunk:
+            raise ValueError("prompt_logprobs: not supported with wavefront_prefill_chunk")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):

@@ -98,6 +98,23 @@ class StepInputs:
         return self.sample_seqs + [seq for seq, _ in self.prompt_rows]
 
 
+def prompt_logprob_rows(batch: ScheduledBatch) -> tuple[list[tuple[Sequence, int]], list[int]]:
+    """The prompt positions of ``batch`` whose logits give a still missing prompt logprob, as
+    (sequence, position q: its logits predict prompt token q + 1) and their rows in the flattened
+    batch. What an earlier pass (before a preemption) recorded is skipped."""
+    rows: list[tuple[Sequence, int]] = []
+    flat: list[int] = []
+    offset = 0
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        start = seq.num_computed_tokens
+        if seq.prompt_logprobs_pending:
+            for q in range(max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)):
+                rows.append((seq, q))
+                flat.append(offset + q - start)
+        offset += n
+    return rows, flat
+
+
 class ModelRunner:
     def __init__(self, model: LoopedLM, config: EngineConfig, num_blocks: int, max_model_len: int):
         self.model = model
@@ -256,8 +273,6 @@ class ModelRunner:
         logits_indices: list[int] = []
         sample_seqs: list[Sequence] = []
         context_lens: list[int] = []
-        prompt_rows: list[tuple[Sequence, int]] = []
-        prompt_indices: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
@@ -267,12 +282,7 @@ class ModelRunner:
                 rows = range(len(ids) - n, len(ids)) if all_logits else [len(ids) - 1]
                 logits_indices.extend(rows)
                 sample_seqs.extend([seq] * len(rows))
-            if prompt_logprobs and seq.prompt_logprobs_pending:
-                # position q predicts prompt token q + 1; skip what an earlier pass (before a
-                # preemption) recorded
-                for q in range(max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)):
-                    prompt_rows.append((seq, q))
-                    prompt_indices.append(len(ids) - n + q - start)
+        prompt_rows, prompt_indices = prompt_logprob_rows(batch) if prompt_logprobs else ([], [])
         logits_indices += prompt_indices
         attn = build_metadata(
             batch.num_tokens,
