@@ -79,6 +79,9 @@ def test_sandwich_norm_loads_its_input_and_residual_rows_before_its_first_barrie
 
 
 def test_rotary_gemv_loads_cos_and_sin_with_its_input(monkeypatch):
+    (order,) = _orders("_gemv_kernel", ROPE_HALF=64)  # acc_2d: the second weight tile's loads join them
+    assert _after_wait(order)[-2:] == ["BAR", "STG"] and _loads_right_after_wait(order) > 3, order
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d=0")  # a reduction per tile: its barrier splits them
     (order,) = _orders("_gemv_kernel", ROPE_HALF=64)
     assert _loads_right_after_wait(order) == 3, order  # x, cos, sin
     monkeypatch.setattr(gemv, "_EARLY_ROPE", False)
@@ -87,12 +90,14 @@ def test_rotary_gemv_loads_cos_and_sin_with_its_input(monkeypatch):
 
 
 def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_one_barrier(monkeypatch):
-    """One-row GEMVs reduce each K tile behind a barrier, so the second weight tile's loads wait for
-    the first tile's reduction; with ``acc_2d`` every load comes before the single reduction."""
+    """One-row GEMVs with ``acc_2d=0`` reduce each K tile behind a barrier, so the second weight
+    tile's loads wait for the first tile's reduction; with ``acc_2d`` (the 16-bit default since
+    session 19) every load comes before the single reduction."""
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d=0")
     for order in _orders("_gemv_kernel", BLOCK_M=1, ROPE_HALF=0, SILU_MUL=False):
         tokens = _after_wait(order)  # x, a reduction, the second tile, its reduction
         assert "LDG" in tokens[tokens.index("BAR") :], order
-    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d=1")
+    monkeypatch.delenv("RLT_GEMV_CONFIG")
     orders = _orders("_gemv_kernel", BLOCK_M=1, ACC_2D=True)
     assert len(orders) == 4  # plain, SiLU prologue, rotary, SwiGLU epilogue
     for order in orders:

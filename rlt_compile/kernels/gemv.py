@@ -283,13 +283,16 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     More rows: a ``tl.dot`` tile of 16 columns x 256 (checked
     spill-free within 64 KiB of shared memory by ``kernels/aot.py``; half as long with the SiLU
     gate, whose extra operand spilled registers on sm_90 at 256). The prefetched first tile is
-    ``block_n x block_k``. ``acc_2d`` (off, not yet timed): one row reduces across lanes once after
-    its loop instead of per tile, so no reduction and barrier sit between its weight loads (sm_90:
-    30-32 registers, as without it)."""
+    ``block_n x block_k``. ``acc_2d`` (16-bit rows on the GPU): one row reduces across lanes once
+    after its loop instead of per tile, so no reduction and barrier sit between its weight loads
+    (sm_90: 30-32 registers, as without it). Measured on the H200 (docs/benchmarks.md, session 19,
+    same call): Ouro-1.4B 3.583 vs 3.764 ms/token, Nanbeige 3.678 vs 3.847."""
     dot = m > 1
+    acc_2d = False
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         block_n, block_k, stages = 16, 32, 1
     else:
+        acc_2d = not dot and dtype != torch.float32
         if dot:  # tl.dot tiles are staged through shared memory: keep 3 stages within 64 KiB (gfx942)
             block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
         elif dtype == torch.float32:
@@ -297,7 +300,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         else:
             block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
         block_k, stages = min(block_k, max(16, triton.next_power_of_2(k))), 3
-    return dict(block_n=block_n, block_k=block_k, warps=4, stages=stages, prefetch=True, dot=dot, acc_2d=False)
+    return dict(block_n=block_n, block_k=block_k, warps=4, stages=stages, prefetch=True, dot=dot, acc_2d=acc_2d)
 
 
 # Resident one-row programs per SM on sm_90 (kernels/aot.py): 1024-long runs use ~31 registers, so the
