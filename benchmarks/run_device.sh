@@ -9,6 +9,9 @@ set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+# session 19: expecttest was missing after the line above once (test_fuse_rope_gemv failed to import); check it
+PYTHONPATH=/tmp/site python3 -c "import expecttest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+  --target /tmp/site .whl/expecttest-*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
