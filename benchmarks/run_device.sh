@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending65|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending66|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -649,5 +649,26 @@ if [[ $what == pending65 ]]; then
   echo "== RLT_ATTENTION_CONFIG=early_q=0 (the decode attention's load order before session 18)"
   RLT_ATTENTION_CONFIG=early_q=0 timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
     --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+fi
+if [[ $what == pending66 ]]; then
+  # session 20 (issue 4): 16-key decode tiles where the block table (or a short-context graph's
+  # decode_context_limit) holds at most 256 positions and the unsplit grid is below a wave. GPU tests,
+  # then all four models at context 128 against the old 64-key tiles (block_n=64), Ouro-1.4B at 4096,
+  # and the tile sweep around the threshold (256 / 512) and at 8 rows (~10 min)
+  timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_graphs_gpu.py tests/test_triton_kernels.py \
+    -k "graph or decode_kernel_parity" > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for cfg in "" block_n=64; do
+    echo "== context 128 RLT_ATTENTION_CONFIG=$cfg"
+    RLT_ATTENTION_CONFIG=$cfg timeout 150 python3 -m rlt_compile.bench --model all --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+  echo "== context 4096"
+  timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --context 4096 --eager-steps 0 --compiled-steps 0 2>&1 \
+    | grep "graphs .* ms/token"
+  timeout 150 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro,Nanbeige \
+    --cases 1x128,1x256,1x512,8x128,8x256 --extra "block_n=64;block_n=16" --out "$OUT/sweep_short.md" \
+    > "$OUT/sweep_short.log" 2>&1
+  grep -E "\| (default|block_n=64|block_n=16) \|" "$OUT/sweep_short.md"
 fi
 exit 0

@@ -17,6 +17,12 @@ many loop steps the model runs.
   them), ``seq_lens = 0``, query length 0 (``query_start_loc`` stays at ``n``), block table zeros,
   logits row = the padding row itself. The attention kernels never read or write the KV cache for
   them, and every other op is row-wise, so real rows are bit-for-bit what they would be unpadded.
+* Short contexts: small buckets (``context_max_batch``, 8) also get a graph per context bucket
+  (``context_buckets``, positions; by default ``SHORT_DECODE_CONTEXT``, 256, on the GPU), captured
+  under ``decode_context_limit`` so the decode attention picks that context's tiles (16-key tiles at
+  batch 1 made Ouro-1.4B 2.8% faster at context 128, 7.7% slower at 4096: docs/benchmarks.md). A
+  batch replays the smallest one its block tables fit (width x block size); the full-width graph
+  serves the rest. The choice is the host's, from shapes, so it costs no synchronisation.
 * Capture order: largest bucket first, all into one memory pool (``torch.cuda.graph_pool_handle``),
   each after warm-up runs on a side stream (Triton autotuning and lazy initialisation must not
   happen inside a capture). Capture everything before serving.
@@ -41,6 +47,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rlt_compile.kernels.attention_config import SHORT_DECODE_CONTEXT, decode_context_limit
 from rlt_compile.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger("rlt_compile.graphs")
@@ -129,6 +136,8 @@ class CudaGraphRunner:
         clone_outputs: bool = True,
         warmup_runs: int = 2,
         row_options: dict[str, tuple[torch.dtype, float]] | None = None,
+        context_buckets: Sequence[int] | None = None,
+        context_max_batch: int = 8,
     ):
         if not kv_caches:
             raise ValueError("kv_caches is empty")
@@ -160,8 +169,17 @@ class CudaGraphRunner:
         self.row_buffers = {
             name: torch.full((B,), pad, dtype=dtype, device=dev) for name, (dtype, pad) in self.row_options.items()
         }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.block_size = int(kv_caches[0].shape[2])
+        if context_buckets is None:
+            context_buckets = [SHORT_DECODE_CONTEXT] if use_graphs else []
+        if any(int(c) < 1 for c in context_buckets):
+            raise ValueError(f"context_buckets must be positive position counts, got {list(context_buckets)}")
+        full = self.max_blocks_per_seq * self.block_size
+        self.context_buckets = sorted({int(c) for c in context_buckets if int(c) < full})
+        self.context_max_batch = int(context_max_batch)
+        # keyed by (batch bucket, context bucket); None: the block table's whole width
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
         self.pool = None
         self.captured = False
         self.capture_seconds = 0.0
@@ -171,6 +189,17 @@ class CudaGraphRunner:
     # -- buffers ---------------------------------------------------------------------------
     def bucket_for(self, num_seqs: int) -> int | None:
         return pick_bucket(self.buckets, num_seqs)
+
+    def contexts_for(self, bucket: int) -> list[int | None]:
+        """The context buckets captured for a batch bucket, None (the full width) last."""
+        return [*(self.context_buckets if bucket <= self.context_max_batch else ()), None]
+
+    def context_for(self, bucket: int, table_width: int) -> int | None:
+        """The smallest captured context bucket holding ``table_width`` blocks (None: the full width)."""
+        for limit in self.contexts_for(bucket):
+            if limit is None or table_width * self.block_size <= limit:
+                return limit
+        return None
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:
         """A decode-only batch (one token per sequence) that fits a captured bucket."""
@@ -239,10 +268,11 @@ class CudaGraphRunner:
             buf[:rows].copy_(values, non_blocking=True)
             buf[rows:bucket].fill_(self.row_options[name][1])
 
-    def _run_step(self, bucket: int) -> torch.Tensor:
+    def _run_step(self, bucket: int, context: int | None = None) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(bucket)
         rows = {name: buf[:bucket] for name, buf in self.row_buffers.items()}
-        out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options, **rows)
+        with decode_context_limit(context):
+            out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options, **rows)
         return out[0] if isinstance(out, tuple) else out
 
     # -- capture ---------------------------------------------------------------------------
@@ -255,22 +285,29 @@ class CudaGraphRunner:
             self._pad(0, bucket)  # an all-padding batch: no KV reads or writes
             for name, buf in self.row_buffers.items():
                 buf.fill_(self.row_options[name][1])
-            if not self.use_graphs:
-                self.outputs[bucket] = self._run_step(bucket)
-                continue
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            self.graphs[bucket], self.outputs[bucket] = capture_graph(
-                lambda bucket=bucket: self._run_step(bucket), self.device, self.warmup_runs, self.pool
-            )
+            for context in self.contexts_for(bucket):
+                key = (bucket, context)
+                if not self.use_graphs:
+                    self.outputs[key] = self._run_step(bucket, context)
+                    continue
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                self.graphs[key], self.outputs[key] = capture_graph(
+                    lambda bucket=bucket, context=context: self._run_step(bucket, context),
+                    self.device,
+                    self.warmup_runs,
+                    self.pool,
+                )
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
         self.captured = True
         self.capture_seconds = time.perf_counter() - t0
         log.info(
-            "captured %s for buckets %s in %.2f s",
+            "captured %s for buckets %s (contexts %s up to batch %d) in %.2f s",
             "CUDA/HIP graphs" if self.use_graphs else "static-buffer steps (no graphs)",
             self.buckets,
+            self.context_buckets,
+            self.context_max_batch,
             self.capture_seconds,
         )
         return self
@@ -290,11 +327,12 @@ class CudaGraphRunner:
             return out[0] if isinstance(out, tuple) else out
         self.fill(bucket, input_ids, positions, attn, logits_indices)
         self.fill_rows(bucket, rows, row_values)
+        context = self.context_for(bucket, attn.block_tables.shape[1])
         if self.use_graphs:
-            self.graphs[bucket].replay()
-            out = self.outputs[bucket]
+            self.graphs[bucket, context].replay()
+            out = self.outputs[bucket, context]
         else:
-            out = self._run_step(bucket)
+            out = self._run_step(bucket, context)
         self.replays += 1
         out = out[:rows]
         return out.clone() if self.clone_outputs else out

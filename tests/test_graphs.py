@@ -13,6 +13,7 @@ import torch
 
 from rlt_compile.compiler import compile_model
 from rlt_compile.graphs import CudaGraphRunner, default_buckets, normalize_buckets, padded_decode_metadata, pick_bucket
+from rlt_compile.kernels.attention_config import current_decode_context_limit
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.registry import build_model
 from rlt_compile.tiny import random_state_dict, tiny_config
@@ -144,3 +145,41 @@ def test_runner_needs_a_gpu_for_graphs():
     cm = compile_model(model, "cpu", inductor=False)
     with pytest.raises(RuntimeError, match="need a GPU platform"):
         cm.capture_graphs(model.allocate_kv_cache(2, BLOCK), 2, 2)
+
+
+def test_short_context_graphs_serve_narrow_block_tables():
+    """Small buckets get one step per context bucket, run under ``decode_context_limit``; a batch
+    takes the smallest context its block tables fit, and results match the plain model."""
+    model = tiny("nanbeige")
+    planes = model.allocate_kv_cache(24, BLOCK)
+    seen = []
+
+    def step(*args, **kwargs):
+        seen.append(current_decode_context_limit())
+        return model(*args, **kwargs)
+
+    runner = CudaGraphRunner(step, planes, max_num_seqs=4, max_blocks_per_seq=8, buckets=[1, 4],
+                             context_buckets=[32, 64, 500], context_max_batch=2).capture()  # fmt: skip
+    # 500 positions is not below the table's 8 x 16 = 128: the full width serves it
+    assert runner.context_buckets == [32, 64]
+    assert runner.contexts_for(1) == [32, 64, None] and runner.contexts_for(4) == [None]
+    assert sorted(runner.outputs, key=str) == [(1, 32), (1, 64), (1, None), (4, None)]
+    assert [runner.context_for(1, w) for w in (1, 2, 3, 4, 5, 8)] == [32, 32, 64, 64, None, None]
+    assert runner.context_for(4, 1) is None
+    prompts = [[1, 2, 3, 4, 5], list(range(40))]
+    tables = [[0, 1], [2, 3, 4, 5]]
+    prefill(model, planes, prompts, tables, {})
+    ref_planes = [p.clone() for p in planes]
+    for table, length, context in (([0, 1], 5, 32), ([2, 3, 4, 5], 40, 64)):
+        seen.clear()
+        ids, pos, meta, rows = decode_batch([length], [table], seed=length)
+        got = runner(ids, pos, meta, rows)
+        with torch.no_grad():
+            want = model(ids, pos, ref_planes, meta, rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert seen == [context]
+    assert current_decode_context_limit() is None
+    with pytest.raises(ValueError, match="positive"):
+        CudaGraphRunner(model, planes, 2, 2, context_buckets=[0])
+    # on the CPU no context graphs unless asked for
+    assert CudaGraphRunner(model, planes, 2, 8).context_buckets == []

@@ -20,6 +20,7 @@ from test_compiler import split_top_level
 from rlt_compile import load_model
 from rlt_compile.compiler import compile_model
 from rlt_compile.graphs import CudaGraphRunner
+from rlt_compile.kernels import triton_attention
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.runner import greedy_generate
 
@@ -77,7 +78,7 @@ def test_compiled_and_graphs_equal_eager_bf16(tiny_dirs, family):
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
     runner = CudaGraphRunner(cm.run_compiled, planes, max_num_seqs=4, max_blocks_per_seq=4, step_options=opts)
     runner.capture()
-    assert sorted(runner.graphs) == [1, 2, 4]
+    assert sorted(runner.graphs) == [(1, None), (2, None), (4, None)]  # 64-position tables: no short graphs
     lengths = [len(p) for p in prompts]
     tokens = want.argmax(-1).tolist()
     for _ in range(4):
@@ -152,3 +153,49 @@ def test_huginn_32_recurrences_in_one_graph(tiny_dirs):
     (runner,) = cm.graph_runners.values()
     assert runner.replays == 1
     assert cm.graph_counts() == {"prelude": 1, "loop_step": 1, "coda": 1}
+
+
+def test_short_context_graph_takes_16_key_tiles_and_matches_eager(tiny_dirs, monkeypatch):
+    """A 384-position table: batch bucket 1 gets a graph for contexts up to 256 positions (16-key decode
+    tiles) besides the full-width one (64-key tiles). A 20-token sequence replays the first, a 300-token
+    one the second; both equal eager."""
+    tiles = []
+    real_kernel_for = triton_attention.kernel_for
+
+    def recording_kernel_for(fn, interpret):
+        launcher = real_kernel_for(fn, interpret)
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    if "BLOCK_N" in kwargs and fn.__name__ == "_paged_attention_decode_kernel":
+                        tiles.append(kwargs["BLOCK_N"])
+                    return launcher[grid](*args, **kwargs)
+
+                return launch
+
+        return Recorder()
+
+    monkeypatch.setattr(triton_attention, "kernel_for", recording_kernel_for)
+    model, ref = load(tiny_dirs, "ouro", torch.bfloat16), load(tiny_dirs, "ouro", torch.bfloat16)
+    opts = family_options("ouro")
+    cm = compile_model(model, platform="cuda")
+    planes, ref_planes = model.allocate_kv_cache(48, BLOCK), ref.allocate_kv_cache(48, BLOCK)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (20, 300)]
+    tables = [[0, 1], list(range(2, 22))]
+    runner = CudaGraphRunner(cm.run_compiled, planes, max_num_seqs=2, max_blocks_per_seq=24, step_options=opts)
+    tiles.clear()
+    runner.capture()
+    assert sorted(runner.graphs, key=str) == [(1, 256), (1, None), (2, None)]
+    assert set(tiles) == {16, 64}
+    for prompt, table, context in zip(prompts, tables, (256, None)):
+        run_prefill(cm, planes, [prompt], [table], opts)
+        run_prefill(ref, ref_planes, [prompt], [table], opts)
+        assert runner.context_for(1, len(table)) == context
+        ids, pos, meta, rows = decode_inputs([len(prompt)], [table], [3])
+        got = runner(ids, pos, meta, rows)
+        with torch.no_grad():
+            want = ref(ids, pos, ref_planes, meta, rows, **opts)
+        torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    assert runner.replays == 2 and runner.fallbacks == 0

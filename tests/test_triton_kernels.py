@@ -18,6 +18,12 @@ import pytest
 import torch
 
 from rlt_compile.kernels import backends, decode_attention, triton_attention
+from rlt_compile.kernels.attention_config import (
+    SHORT_DECODE_CONTEXT,
+    _decode_tile_config,
+    decode_context_limit,
+    decode_table_blocks,
+)
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.kernels.reference import (
     attention_reference,
@@ -963,7 +969,8 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
     in the kernel (empty splits free) the split count is the waves target though the table's 2 key
     tiles fill only 2 (8 decode rows: MHA 128 programs, 4 splits for 264 wanted; GQA 64 programs, 8;
     one row: MHA 16 programs, 32); at one GQA row (8 programs, a reduce kernel reads every split) it
-    stays at the table's 2 tiles, as does the CPU interpreter, which runs every program."""
+    stays at the table's key tiles (8: a table this short takes 16-key tiles), as does the CPU
+    interpreter, which runs every program."""
     import dataclasses
 
     from rlt_compile.kernels import aot
@@ -976,7 +983,7 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
         for launch in launches
         if launch.kernel.endswith("_paged_attention_decode_kernel")
     }
-    assert splits == {(1, 8): 4, (6, 8): 8, (1, 1): 32, (6, 1): 2}
+    assert splits == {(1, 8): 4, (6, 8): 8, (1, 1): 32, (6, 1): 8}
 
     q, k, v, cache, md = make_case([1] * 8, [20] * 8, 4, 4, 16, 16, torch.float32)  # MHA, interpreted
     seen = []
@@ -990,6 +997,54 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
     attention_forward(q, k, v, cache, md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
     assert choose_decode_splits(8, 4, table_blocks, 16, 16, 64, cap_to_table=False) > table_blocks
     assert seen == [choose_decode_splits(8, 4, table_blocks, 16, 16, 64)]
+
+
+def _decode_key_tiles(max_model_len: int, dtype: torch.dtype) -> dict:
+    """BLOCK_N of the decode launches for an H200 (meta tensors), per (GROUP, rows)."""
+    import dataclasses
+
+    from rlt_compile.kernels import aot
+    from rlt_compile.platform import Platform
+
+    workloads = [dataclasses.replace(w, max_model_len=max_model_len) for w in aot.WORKLOADS[:2]]
+    launches = aot.capture_launches(Platform.mock("cuda"), workloads, (dtype,), ("decode", "decode-split"))
+    return {
+        (launch.kwargs["GROUP"], launch.grid[0]): launch.kwargs["BLOCK_N"]
+        for launch in launches
+        if launch.kernel.endswith("_paged_attention_decode_kernel")
+    }
+
+
+def test_short_context_decode_takes_16_key_tiles():
+    """16-bit decode takes 16-key tiles where the block table holds at most SHORT_DECODE_CONTEXT
+    positions (or ``decode_context_limit`` promises as much) and its unsplit grid is below a wave;
+    64-key tiles otherwise. fp32 keeps its 32-key tiles."""
+    assert SHORT_DECODE_CONTEXT == 256
+    bf16 = torch.bfloat16
+    assert set(_decode_key_tiles(256, bf16).values()) == {16}  # rows 1 and 8: 16 / 128 programs < 132 SMs
+    assert set(_decode_key_tiles(257, bf16).values()) == {64}
+    assert set(_decode_key_tiles(4096, bf16).values()) == {64}
+    assert set(_decode_key_tiles(128, torch.float32).values()) == {32}
+    with decode_context_limit(200):
+        assert set(_decode_key_tiles(4096, bf16).values()) == {16}
+    with decode_context_limit(4096):
+        assert set(_decode_key_tiles(128, bf16).values()) == {16}  # a limit never widens the table
+    assert set(_decode_key_tiles(4096, bf16).values()) == {64}
+    cfg = _decode_tile_config(False, 1, 128, bf16, {}, programs=132, num_sms=132, max_context=128)
+    assert cfg["block_n"] == 64  # a full wave of programs keeps the wide tile
+    assert decode_table_blocks(300, 16) == 300
+    with decode_context_limit(100):
+        assert decode_table_blocks(300, 16) == 7 and decode_table_blocks(3, 16) == 3
+
+
+@pytest.mark.parametrize("limit", [16, 100])
+def test_decode_under_a_broken_context_promise_stays_exact(limit):
+    """``decode_context_limit`` only steers tiles and split counts: contexts longer than it promised
+    still attend over every key (interpreter, reduce kernel: its split count follows the limit)."""
+    case = make_case([1, 1, 1], [20, 300, 700], 6, 2, 16, 16, torch.float32, seed=12)
+    with decode_context_limit(limit):
+        check_attention(case, None, fused=True, config={"fuse_reduce": False})
+        check_attention(case, None, fused=True, config={"fuse_reduce": True})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

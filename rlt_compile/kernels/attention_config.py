@@ -7,7 +7,9 @@ measurements behind each default are in docs/benchmarks.md."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -15,6 +17,45 @@ import triton
 from rlt_compile import envs
 
 _MAX_SPLITS = 64
+
+# 16-bit decode on the GPU takes 16-key tiles where no context can be longer than this many positions
+# and the unsplit grid (tokens x KV heads) is below one wave of the SMs. H200, batch 1 (session 20):
+# Ouro-1.4B at context 128 (208-position table) 3.480 vs 3.578-3.582 ms/token with 64-key tiles,
+# Nanbeige 3.654 vs 3.673; the decode call alone at 128 10.0 vs 11.0 us, but at 1k 14.2 vs 13.7 and
+# at 8k 35.6 vs 28.3, and Ouro-1.4B at context 4096 5.000 vs 4.642 ms/token.
+SHORT_DECODE_CONTEXT = 256
+
+_decode_context_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "rlt_decode_context_limit", default=None
+)
+
+
+@contextlib.contextmanager
+def decode_context_limit(positions: int | None) -> Iterator[None]:
+    """Launches inside promise that no sequence is longer than ``positions`` (None: no promise), so
+    the decode kernel may pick the tiles of that context rather than the block table's width.
+
+    ``graphs.CudaGraphRunner`` captures a short-context graph per small batch bucket under this and
+    replays it only for batches whose block tables fit. A broken promise costs speed, never
+    correctness: the kernel deals each sequence's real length to its splits at run time."""
+    token = _decode_context_limit.set(None if positions is None else int(positions))
+    try:
+        yield
+    finally:
+        _decode_context_limit.reset(token)
+
+
+def current_decode_context_limit() -> int | None:
+    return _decode_context_limit.get()
+
+
+def decode_table_blocks(table_width: int, block_size: int) -> int:
+    """The block-table width the decode config plans for: the table's, or fewer under
+    ``decode_context_limit``."""
+    limit = _decode_context_limit.get()
+    if limit is None:
+        return table_width
+    return max(1, min(table_width, triton.cdiv(limit, block_size)))
 
 
 def choose_num_splits(
@@ -136,9 +177,20 @@ def choose_decode_splits(
 
 
 def _decode_tile_config(
-    interpret: bool, group_p: int, block_d: int, dtype: torch.dtype, config: dict, programs: int, num_sms: int
+    interpret: bool,
+    group_p: int,
+    block_d: int,
+    dtype: torch.dtype,
+    config: dict,
+    programs: int,
+    num_sms: int,
+    max_context: int | None = None,
 ) -> dict:
     """Decode-kernel tiles: defaults from shapes, dtypes and the platform kind only, then ``config``.
+
+    ``max_context``: the longest context the block table can describe (``decode_table_blocks`` x
+    block size); 16-bit tiles are 16 keys wide where it is at most ``SHORT_DECODE_CONTEXT`` and
+    ``programs`` (tokens x KV heads) is below one wave of the SMs, else 64 (32 for head dims above 128).
 
     MHA (one query row per KV head) in 16 bits takes a 16-row ``tl.dot`` tile (15 rows of padding)
     where the context is split and otherwise a broadcast multiply + sum over the head dim
@@ -186,7 +238,8 @@ def _decode_tile_config(
     elif dtype == torch.float32:
         cfg.update(block_n=32 if block_d <= 128 else 16, warps=None, stages=2)
     else:
-        cfg.update(block_n=64 if block_d <= 128 else 32, warps=4, stages=2)
+        short = max_context is not None and max_context <= SHORT_DECODE_CONTEXT and programs < num_sms
+        cfg.update(block_n=16 if short else 64 if block_d <= 128 else 32, warps=4, stages=2)
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["warps"] is None:
         cfg["warps"] = 8 if cfg["use_dot"] else 4

@@ -71,6 +71,7 @@ from rlt_compile.kernels.attention_config import (
     _tile_config,
     choose_decode_splits,
     choose_num_splits,
+    decode_table_blocks,
     fits_two_waves,
     uses_decode_kernel,
 )
@@ -454,8 +455,16 @@ def _attention(
     decode = uses_decode_kernel(num_tokens, num_seqs, config, group, num_kv_heads, num_sms)
 
     if decode:
+        table_blocks = decode_table_blocks(block_tables.shape[1], block_size)
         cfg = _decode_tile_config(
-            interpret, group_p, block_d, kv_cache.dtype, config, num_tokens * num_kv_heads, num_sms
+            interpret,
+            group_p,
+            block_d,
+            kv_cache.dtype,
+            config,
+            num_tokens * num_kv_heads,
+            num_sms,
+            max_context=table_blocks * block_size,
         )
         block_n = cfg["block_n"]
         grain = cfg["split_grain"] or block_n  # splits get runs of this many key positions
@@ -465,7 +474,7 @@ def _attention(
             lambda: choose_decode_splits(
                 num_tokens,
                 num_kv_heads,
-                block_tables.shape[1],
+                table_blocks,
                 block_size,
                 grain,
                 num_sms,
