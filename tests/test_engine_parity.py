@@ -100,3 +100,31 @@ def test_compiled_engine_with_graph_runner_matches_eager(tiny_dirs, models):
     assert eng.runner.step_fn is not model and eng.runner.graph_runner is not None
     assert run(eng, prompts) == eager
     assert eng.runner.graph_runner.replays > 0
+
+
+def test_short_context_decode_steps_take_their_context_bucket(models, monkeypatch):
+    """``cuda_graph_context_buckets``: decode batches whose block tables fit a context bucket run its
+    step (on the CPU the static-buffer step under ``decode_context_limit``), longer ones the full
+    width; tokens equal the engine without graphs."""
+    from rlt_compile.graphs import CudaGraphRunner
+
+    contexts = []
+    real_run_step = CudaGraphRunner._run_step
+
+    def run_step(self, bucket, context=None):
+        contexts.append(context)
+        return real_run_step(self, bucket, context)
+
+    monkeypatch.setattr(CudaGraphRunner, "_run_step", run_step)
+    prompts = [[5 + i for i in range(12)], [9 + i for i in range(40)]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = engine(models["nanbeige"], "nanbeige")
+    eng = engine(models["nanbeige"], "nanbeige", use_cuda_graphs=True, cuda_graph_context_buckets=[32, 64])
+    runner = eng.runner.graph_runner
+    assert runner.context_buckets == [32, 64]
+    contexts.clear()
+    assert run(eng, prompts[:1], params) == run(plain, prompts[:1], params)
+    assert set(contexts) == {32, 64}  # 12 + 30 positions cross 32
+    contexts.clear()
+    assert run(eng, prompts, params) == run(plain, prompts, params)
+    assert set(contexts) == {64, None}  # the 40-token prompt's table: 64 positions, then 80

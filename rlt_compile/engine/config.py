@@ -41,6 +41,9 @@ class EngineConfig:
     compile_options: dict = field(default_factory=dict)
     use_cuda_graphs: bool = False
     cuda_graph_buckets: list[int] | None = None
+    # Short-context decode graphs for buckets up to 8 (positions; None: graphs.CudaGraphRunner's
+    # default [256]; []: none): their attention takes the short context's tiles (docs/compiler.md).
+    cuda_graph_context_buckets: list[int] | None = None
     seed: int = 0  # for requests without their own seed
     async_scheduling: bool = False  # prepare step n+1 on the host while the device runs step n
     # Self-speculative decoding (docs/speculation.md): draft K tokens with the model's first d loop

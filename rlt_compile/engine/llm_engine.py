@@ -187,7 +187,12 @@ class LLMEngine:
             )
         elif self.config.use_cuda_graphs:
             blocks = -(-self.max_model_len // self.config.block_size)
-            batcher.capture_graphs(self.config.max_num_seqs, blocks, buckets=self.config.cuda_graph_buckets)
+            batcher.capture_graphs(
+                self.config.max_num_seqs,
+                blocks,
+                buckets=self.config.cuda_graph_buckets,
+                context_buckets=self.config.cuda_graph_context_buckets,
+            )
         return batcher
 
     def _wavefront_chunk(self) -> int:

@@ -166,6 +166,7 @@ class ModelRunner:
             self.config.max_num_seqs,
             -(-self.max_model_len // self.block_size),
             buckets=self.config.cuda_graph_buckets,
+            context_buckets=self.config.cuda_graph_context_buckets,
             step_options={k: v for k, v in self.model_options.items() if k not in (row_options or {})},
             row_options=row_options,
         )

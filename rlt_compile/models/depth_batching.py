@@ -75,7 +75,9 @@ class DepthBatcher:
         self.drafts = self.accepted = 0
         self.graph_runner = None
 
-    def capture_graphs(self, max_rows: int, max_blocks_per_seq: int, buckets=None, use_graphs=None):
+    def capture_graphs(
+        self, max_rows: int, max_blocks_per_seq: int, buckets=None, use_graphs=None, context_buckets=None
+    ):
         """Run passes as one CUDA/HIP graph per padded batch bucket (``rlt_compile.graphs``).
 
         The per-row steps are data (block-id offsets in the metadata), so a bucket's graph serves
@@ -94,7 +96,7 @@ class DepthBatcher:
         self._carried = torch.zeros(max_rows, self.model.config.hidden_size, dtype=ref.dtype, device=ref.device)
         self._is_new = torch.zeros(max_rows, dtype=torch.bool, device=ref.device)
         runner = CudaGraphRunner(self._graph_step, self.kv_caches, max_rows, max_blocks_per_seq, buckets,
-                                 use_graphs=use_graphs)  # fmt: skip
+                                 use_graphs=use_graphs, context_buckets=context_buckets)  # fmt: skip
         self.graph_runner = runner.capture()
         return self.graph_runner
 
