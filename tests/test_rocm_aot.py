@@ -9,11 +9,14 @@ launchers make on ``meta`` tensors, binds them like ``JITFunction.run`` would on
 Set compiled here (representative but complete, < 2 min on 2 cores): every kernel x every dtype
 (fp16, bf16, fp32) x every batch mode (prefill, decode, split-K decode: all tile configurations the
 launchers choose) for the MHA workload (Ouro), plus the GQA workload (Nanbeige 48/8, a KV plane over
-2 GiB, which changes the AMD buffer-op specialisation) in bf16. The full matrix of all workloads is
+2 GiB, which changes the AMD buffer-op specialisation) in bf16, and Ouro's bf16 decode at a
+208-position table (the short-context 16-key tiles). The full matrix of all workloads is
 ``python -m rlt_compile.kernels.aot --jobs 2``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -23,6 +26,8 @@ from rlt_compile.platform import Platform
 
 TARGETS = ("gfx942", "gfx950", "sm_90")
 OURO, NANBEIGE = aot.WORKLOADS[0], aot.WORKLOADS[1]
+# the bench's 208-position table: 16-bit decode takes its short-context 16-key tiles
+SHORT_OURO = dataclasses.replace(OURO, name="ouro-1.4b-short", max_model_len=208)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -31,11 +36,15 @@ def _specs(kind: str, arch: str, precision: str | None = None, **kw) -> list[aot
 
 
 def ci_specs(target: str) -> list[aot.Specialisation]:
-    """The CI set for ``target``: all kernels x dtypes x modes for Ouro, plus Nanbeige in bf16."""
+    """The CI set for ``target``: all kernels x dtypes x modes for Ouro, plus Nanbeige in bf16, plus
+    Ouro's short-context bf16 decode."""
     kind, arch = aot.TARGETS[target]
     merged: dict[str, aot.Specialisation] = {}
-    for spec in _specs(kind, arch, workloads=(OURO,)) + _specs(
-        kind, arch, workloads=(NANBEIGE,), dtypes=(torch.bfloat16,)
+    bf16 = (torch.bfloat16,)
+    for spec in (
+        _specs(kind, arch, workloads=(OURO,))
+        + _specs(kind, arch, workloads=(NANBEIGE,), dtypes=bf16)
+        + _specs(kind, arch, workloads=(SHORT_OURO,), dtypes=bf16, modes=("decode", "decode-split"))
     ):
         if spec.key() in merged:
             merged[spec.key()].labels.extend(spec.labels)
