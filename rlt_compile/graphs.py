@@ -196,9 +196,11 @@ class CudaGraphRunner:
 
     def context_for(self, bucket: int, table_width: int) -> int | None:
         """The smallest captured context bucket holding ``table_width`` blocks (None: the full width)."""
-        for limit in self.contexts_for(bucket):
-            if limit is None or table_width * self.block_size <= limit:
-                return limit
+        if bucket <= self.context_max_batch:
+            positions = table_width * self.block_size
+            for limit in self.context_buckets:
+                if positions <= limit:
+                    return limit
         return None
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:

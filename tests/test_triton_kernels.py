@@ -964,6 +964,27 @@ def test_large_mha_decode_batches_take_the_unified_kernel():
     assert not uses_decode_kernel(33, 32, None, 6, 8, 132)
 
 
+def _decode_launch_values(key: str, max_model_len: int, dtype: torch.dtype, modes=("decode", "decode-split")) -> dict:
+    """``key`` of the decode-kernel launches for an H200 (recorded on meta tensors; Ouro and Nanbeige
+    at ``max_model_len``), per (GROUP, rows)."""
+    import dataclasses
+
+    from rlt_compile.kernels import aot
+    from rlt_compile.platform import Platform
+
+    workloads = [dataclasses.replace(w, max_model_len=max_model_len) for w in aot.WORKLOADS[:2]]
+    launches = aot.capture_launches(Platform.mock("cuda"), workloads, (dtype,), modes)
+    return {
+        (launch.kwargs["GROUP"], launch.grid[0]): launch.kwargs[key]
+        for launch in launches
+        if launch.kernel.endswith("_paged_attention_decode_kernel")
+    }
+
+
+def _decode_key_tiles(max_model_len: int, dtype: torch.dtype) -> dict:
+    return _decode_launch_values("BLOCK_N", max_model_len, dtype)
+
+
 def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkeypatch):
     """On an H200 (launches recorded on meta tensors) at a 128-position table: where the merge is fused
     in the kernel (empty splits free) the split count is the waves target though the table's 2 key
@@ -971,18 +992,7 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
     one row: MHA 16 programs, 32); at one GQA row (8 programs, a reduce kernel reads every split) it
     stays at the table's key tiles (8: a table this short takes 16-key tiles), as does the CPU
     interpreter, which runs every program."""
-    import dataclasses
-
-    from rlt_compile.kernels import aot
-    from rlt_compile.platform import Platform
-
-    short = [dataclasses.replace(w, max_model_len=128) for w in aot.WORKLOADS[:2]]
-    launches = aot.capture_launches(Platform.mock("cuda"), short, (torch.bfloat16,), ("decode-split",))
-    splits = {
-        (launch.kwargs["GROUP"], launch.grid[0]): launch.kwargs["NUM_SPLITS"]
-        for launch in launches
-        if launch.kernel.endswith("_paged_attention_decode_kernel")
-    }
+    splits = _decode_launch_values("NUM_SPLITS", 128, torch.bfloat16, ("decode-split",))
     assert splits == {(1, 8): 4, (6, 8): 8, (1, 1): 32, (6, 1): 8}
 
     q, k, v, cache, md = make_case([1] * 8, [20] * 8, 4, 4, 16, 16, torch.float32)  # MHA, interpreted
@@ -997,22 +1007,6 @@ def test_decode_splits_ignore_a_short_table_only_where_the_merge_is_fused(monkey
     attention_forward(q, k, v, cache, md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
     assert choose_decode_splits(8, 4, table_blocks, 16, 16, 64, cap_to_table=False) > table_blocks
     assert seen == [choose_decode_splits(8, 4, table_blocks, 16, 16, 64)]
-
-
-def _decode_key_tiles(max_model_len: int, dtype: torch.dtype) -> dict:
-    """BLOCK_N of the decode launches for an H200 (meta tensors), per (GROUP, rows)."""
-    import dataclasses
-
-    from rlt_compile.kernels import aot
-    from rlt_compile.platform import Platform
-
-    workloads = [dataclasses.replace(w, max_model_len=max_model_len) for w in aot.WORKLOADS[:2]]
-    launches = aot.capture_launches(Platform.mock("cuda"), workloads, (dtype,), ("decode", "decode-split"))
-    return {
-        (launch.kwargs["GROUP"], launch.grid[0]): launch.kwargs["BLOCK_N"]
-        for launch in launches
-        if launch.kernel.endswith("_paged_attention_decode_kernel")
-    }
 
 
 def test_short_context_decode_takes_16_key_tiles():
