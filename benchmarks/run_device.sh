@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending66|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending67|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -671,5 +671,25 @@ if [[ $what == pending66 ]]; then
     --cases 1x128,1x256,1x512,8x128,8x256 --extra "block_n=64;block_n=16" --out "$OUT/sweep_short.md" \
     > "$OUT/sweep_short.log" 2>&1
   grep -E "\| (default|block_n=64|block_n=16) \|" "$OUT/sweep_short.md"
+fi
+if [[ $what == pending67 ]]; then
+  # session 21 (issue 4): CudaGraphRunner.fill copies a batch into the static buffers with one
+  # multi-tensor copy per dtype (graphs.FOREACH_FILL) instead of seven copies, which ran on the GPU
+  # between two replays. GPU graph tests, then Ouro-1.4B and Nanbeige with and without, alternating,
+  # then one profile each (its "copy" class counts the copies per token) (~4 min)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for grouped in True False True False; do
+    echo "== FOREACH_FILL=$grouped"
+    timeout 100 python3 -c "import sys, rlt_compile.graphs as g; g.FOREACH_FILL = $grouped
+from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b,nanbeige4.2-3b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+  for grouped in True False; do
+    timeout 100 python3 -c "import sys, rlt_compile.graphs as g; g.FOREACH_FILL = $grouped
+from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
+      --profile --out "$OUT/profile_fill_$grouped.md" > /dev/null 2>&1
+    echo "== profile FOREACH_FILL=$grouped"; grep -o "GPU busy.*Top kernels" "$OUT/profile_fill_$grouped.md" | head -2
+  done
 fi
 exit 0

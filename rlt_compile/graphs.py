@@ -12,7 +12,8 @@ many loop steps the model runs.
 * Static buffers, allocated once at the largest bucket and sliced per bucket: ``input_ids``,
   ``positions``, ``slot_mapping``, ``block_tables`` [B, max_blocks_per_seq], ``seq_lens``,
   ``query_start_loc`` [B + 1] and ``logits_indices``; each bucket's output logits live in the
-  graphs' shared memory pool.
+  graphs' shared memory pool. A call fills them, padding included, with one multi-tensor copy per
+  dtype (``copy_grouped``), not a copy per buffer: those run on the GPU between two replays.
 * Padding rows (``n .. B-1``): token 0 at position 0, ``slot_mapping = -1`` (the KV write skips
   them), ``seq_lens = 0``, query length 0 (``query_start_loc`` stays at ``n``), block table zeros,
   logits row = the padding row itself. The attention kernels never read or write the KV cache for
@@ -107,6 +108,35 @@ def padded_decode_metadata(
     return AttentionMetadata(slots, tables, seq_lens, qsl), n
 
 
+# Copy a batch's inputs into the static buffers with one multi-tensor copy per dtype group instead of
+# a copy per buffer: between two replays the GPU otherwise runs seven tiny copies in a row, each
+# ~1-2 us at batch 1. A module switch for A/B runs (benchmarks/run_device.sh).
+FOREACH_FILL = True
+
+
+def copy_grouped(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair, as one ``torch._foreach_copy_`` per group of pairs with the
+    same source / destination dtypes and devices. Its single-kernel route on the GPU needs every
+    tensor of the group dense and each pair's sizes and strides equal, so a pair of other shapes
+    (``src`` broadcast) or a non-contiguous one (a narrow block table) takes its own ``copy_``."""
+    if not FOREACH_FILL:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        return
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in pairs:
+        if dst.numel() == 0:
+            continue
+        if dst.shape != src.shape or not (dst.is_contiguous() and src.is_contiguous()):
+            dst.copy_(src, non_blocking=True)  # a broadcast, or a pair that would take the group off its fast route
+            continue
+        dsts, srcs = groups.setdefault((dst.dtype, src.dtype, dst.device, src.device), ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+
 def capture_graph(fn: Callable[[], object], device: torch.device, warmup_runs: int = 2, pool=None):
     """Run ``fn`` ``warmup_runs`` times on a side stream (autotuning and lazy initialisation must not
     happen inside a capture), then capture one call: returns (graph, what the captured call returned)."""
@@ -164,11 +194,18 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(B, dtype=torch.long, device=dev)
-        self._arange = torch.arange(B, dtype=torch.long, device=dev)
         self.row_options = dict(row_options or {})
         self.row_buffers = {
             name: torch.full((B,), pad, dtype=dtype, device=dev) for name, (dtype, pad) in self.row_options.items()
         }
+        # constant sources of the padding values, sliced per batch (``_padding_pairs``)
+        self._arange = torch.arange(B, dtype=torch.long, device=dev)
+        self._zeros = torch.zeros(B, dtype=torch.long, device=dev)
+        self._no_slots = torch.full((B,), -1, dtype=torch.long, device=dev)
+        self._zeros32 = torch.zeros(B, dtype=torch.int32, device=dev)
+        self._zero_tables = torch.zeros((B, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self._token_counts = torch.arange(B + 1, dtype=torch.int32, device=dev)[:, None].expand(B + 1, B).contiguous()
+        self._row_padding = {name: buf.clone() for name, buf in self.row_buffers.items()}
         self.block_size = int(kv_caches[0].shape[2])
         if context_buckets is None:
             context_buckets = [SHORT_DECODE_CONTEXT] if use_graphs else []
@@ -217,8 +254,11 @@ class CudaGraphRunner:
         )
         return self.input_ids[:bucket], self.positions[:bucket], attn, self.logits_indices[:bucket]
 
-    def fill(self, bucket: int, input_ids, positions, attn: AttentionMetadata, logits_indices=None) -> int:
-        """Copy a decode-only batch into the static buffers and pad it to ``bucket`` rows."""
+    def fill(
+        self, bucket: int, input_ids, positions, attn: AttentionMetadata, logits_indices=None, row_values=None
+    ) -> int:
+        """Copy a decode-only batch (and its per-row option values) into the static buffers and pad it
+        to ``bucket`` rows: one multi-tensor copy per dtype (``copy_grouped``)."""
         n = attn.num_seqs
         if input_ids.shape[0] != n or attn.slot_mapping.shape[0] != n:
             raise ValueError(f"not a decode-only batch: {input_ids.shape[0]} tokens for {n} sequences")
@@ -227,48 +267,48 @@ class CudaGraphRunner:
         width = attn.block_tables.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={self.max_blocks_per_seq}")
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(attn.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(attn.seq_lens, non_blocking=True)
-        self.query_start_loc[: n + 1].copy_(attn.query_start_loc, non_blocking=True)
-        self.block_tables[:n, :width].copy_(attn.block_tables, non_blocking=True)
-        if width < self.max_blocks_per_seq:
-            self.block_tables[:n, width:].zero_()
         rows = n if logits_indices is None else logits_indices.shape[0]
-        if logits_indices is not None:
-            self.logits_indices[:rows].copy_(logits_indices, non_blocking=True)
-        else:
-            self.logits_indices[:rows].copy_(self._arange[:rows])
-        self._pad(n, bucket, rows)
+        pairs = [
+            (self.input_ids[:n], input_ids),
+            (self.positions[:n], positions),
+            (self.slot_mapping[:n], attn.slot_mapping),
+            (self.seq_lens[:n], attn.seq_lens),
+            (self.query_start_loc[: n + 1], attn.query_start_loc),
+            (self.block_tables[:n, :width], attn.block_tables),
+            (self.block_tables[:n, width:], self._zero_tables[:n, width:]),
+            (self.logits_indices[:rows], self._arange[:rows] if logits_indices is None else logits_indices),
+        ]
+        pairs += self._row_pairs(bucket, rows, row_values)
+        copy_grouped(pairs + self._padding_pairs(n, bucket, rows))
         return n
 
-    def _pad(self, n: int, bucket: int, rows: int | None = None) -> None:
-        """Rows ``n .. bucket-1`` become padding; logits rows from ``rows`` on point at themselves."""
-        rows = n if rows is None else rows
-        if rows < bucket:
-            self.logits_indices[rows:bucket].copy_(self._arange[rows:bucket])
-        if n >= bucket:
-            return
-        self.input_ids[n:bucket].zero_()
-        self.positions[n:bucket].zero_()
-        self.slot_mapping[n:bucket].fill_(-1)
-        self.seq_lens[n:bucket].zero_()
-        self.block_tables[n:bucket].zero_()
-        # query length 0 for padding sequences: their start offsets all equal the real token count
-        self.query_start_loc[n + 1 : bucket + 1].copy_(self.query_start_loc[n : n + 1].expand(bucket - n))
-
-    def fill_rows(self, bucket: int, rows: int, row_values: dict[str, torch.Tensor] | None) -> None:
+    def _row_pairs(self, bucket: int, rows: int, row_values: dict[str, torch.Tensor] | None) -> list:
         """Per-row option values into their static buffers; rows ``rows .. bucket-1`` get the padding value."""
         missing = set(self.row_buffers) - set(row_values or {})
         if missing:
             raise ValueError(f"row_values lacks {sorted(missing)}")
+        pairs = []
         for name, buf in self.row_buffers.items():
             values = row_values[name]
             if values.shape != (rows,):
                 raise ValueError(f"row_values[{name!r}] has shape {tuple(values.shape)}, want ({rows},)")
-            buf[:rows].copy_(values, non_blocking=True)
-            buf[rows:bucket].fill_(self.row_options[name][1])
+            pairs += [(buf[:rows], values), (buf[rows:bucket], self._row_padding[name][rows:bucket])]
+        return pairs
+
+    def _padding_pairs(self, n: int, bucket: int, rows: int | None = None) -> list:
+        """(buffer, value) pairs making rows ``n .. bucket-1`` padding; logits rows from ``rows`` on
+        point at themselves. The values are slices of constant tensors made once."""
+        rows = n if rows is None else rows
+        return [
+            (self.logits_indices[rows:bucket], self._arange[rows:bucket]),
+            (self.input_ids[n:bucket], self._zeros[n:bucket]),
+            (self.positions[n:bucket], self._zeros[n:bucket]),
+            (self.slot_mapping[n:bucket], self._no_slots[n:bucket]),
+            (self.seq_lens[n:bucket], self._zeros32[n:bucket]),
+            (self.block_tables[n:bucket], self._zero_tables[n:bucket]),
+            # query length 0 for padding sequences: their start offsets all equal the real token count
+            (self.query_start_loc[n + 1 : bucket + 1], self._token_counts[n, : bucket - n]),
+        ]
 
     def _run_step(self, bucket: int, context: int | None = None) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(bucket)
@@ -284,9 +324,9 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         for bucket in reversed(self.buckets):
             self.query_start_loc[0] = 0
-            self._pad(0, bucket)  # an all-padding batch: no KV reads or writes
             for name, buf in self.row_buffers.items():
-                buf.fill_(self.row_options[name][1])
+                buf.copy_(self._row_padding[name])
+            copy_grouped(self._padding_pairs(0, bucket))  # an all-padding batch: no KV reads or writes
             for context in self.contexts_for(bucket):
                 key = (bucket, context)
                 if not self.use_graphs:
@@ -327,8 +367,7 @@ class CudaGraphRunner:
             out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options,
                                **(row_values or {}))  # fmt: skip
             return out[0] if isinstance(out, tuple) else out
-        self.fill(bucket, input_ids, positions, attn, logits_indices)
-        self.fill_rows(bucket, rows, row_values)
+        self.fill(bucket, input_ids, positions, attn, logits_indices, row_values)
         context = self.context_for(bucket, attn.block_tables.shape[1])
         if self.use_graphs:
             self.graphs[bucket, context].replay()

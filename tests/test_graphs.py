@@ -112,6 +112,47 @@ def test_padding_rows_never_change_real_rows(family):
     assert runner.replays == 3 and runner.fallbacks == 0
 
 
+def _static_buffers(runner):
+    return [t.clone() for t in (runner.input_ids, runner.positions, runner.slot_mapping, runner.block_tables,
+                                runner.seq_lens, runner.query_start_loc, runner.logits_indices,
+                                *runner.row_buffers.values())]  # fmt: skip
+
+
+def test_grouped_fill_matches_a_copy_per_buffer(monkeypatch):
+    """``fill`` writes the static buffers exactly as one ``copy_`` per buffer would, padding, narrow
+    block tables and per-row options included, and stale values of a wider, larger batch are
+    overwritten. At one row with full-width tables it takes one multi-tensor copy per dtype."""
+    import rlt_compile.graphs as graphs
+
+    planes = [torch.zeros(2, 10, BLOCK, 1, 4)]
+    rows = {"exit_at_step": (torch.long, -1), "threshold": (torch.float32, 2.0)}
+    runners = [CudaGraphRunner(lambda *a, **k: None, planes, 8, 4, use_graphs=False, row_options=rows) for _ in "ab"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [(6, 4), (3, 2), (1, 4), (5, 1), (8, 3)]  # (sequences, block table width), stale rows in between
+    for n, width in batches:
+        lengths = torch.randint(0, width * BLOCK, (n,), generator=gen).tolist()
+        tables = torch.randint(0, 10, (n, width), generator=gen).tolist()
+        ids, pos, meta, logits_rows = decode_batch(lengths, tables, seed=n)
+        values = {"exit_at_step": torch.randint(0, 4, (n,), generator=gen), "threshold": torch.rand(n, generator=gen)}
+        bucket = runners[0].bucket_for(n)
+        for runner, grouped in zip(runners, (True, False)):
+            monkeypatch.setattr(graphs, "FOREACH_FILL", grouped)
+            runner.fill(bucket, ids, pos, meta, logits_rows, values)
+        for got, want in zip(_static_buffers(runners[0]), _static_buffers(runners[1])):
+            assert torch.equal(got, want)
+        assert runners[0].block_tables[:n, width:].eq(0).all() and runners[0].block_tables[n:bucket].eq(0).all()
+        assert runners[0].block_tables[:n, :width].tolist() == tables
+        assert runners[0].row_buffers["threshold"][n:bucket].eq(2.0).all()
+    monkeypatch.setattr(graphs, "FOREACH_FILL", True)
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s, **k: (calls.append(len(d)), real(d, s, **k)))
+    plain = CudaGraphRunner(lambda *a, **k: None, planes, 8, 4, use_graphs=False)
+    ids, pos, meta, logits_rows = decode_batch([5], [[1, 2, 3, 4]], seed=1)
+    plain.fill(1, ids, pos, meta, logits_rows)
+    assert sorted(calls) == [3, 4]  # int32: seq_lens, query_start_loc, block table; int64: the other four
+
+
 def test_fallback_above_the_largest_bucket_and_for_prefill():
     model = tiny("nanbeige")
     planes = model.allocate_kv_cache(12, BLOCK)
