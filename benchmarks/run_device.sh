@@ -574,11 +574,12 @@ fi
 if [[ $what == pending62 ]]; then
   # prepared in session 17 (issue 4): why 32 mostly-empty decode splits beat 4 (session 16). early_exit=1
   # lets the empty ones return before the PDL wait instead of after it: if waiting programs are what
-  # helps, it is slower; if they cost slots, faster. With the 16-key tiles too. GPU parity first
+  # helps, it is slower; if they cost slots, faster. Session 21: the bench's shape now takes 16-key tiles
+  # (9 of the 32 splits have keys at 129 positions), so also 16 and 64 splits. GPU parity first (~4 min)
   timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k "decode_kernel_parity" \
     > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-  for cfg in "" early_exit=1 block_n=16 block_n=16,early_exit=1 "" early_exit=1; do
+  for cfg in "" early_exit=1 splits=16 splits=64 block_n=64 block_n=64,early_exit=1 "" early_exit=1; do
     echo "== ouro-1.4b RLT_ATTENTION_CONFIG=$cfg"
     RLT_ATTENTION_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
@@ -676,7 +677,7 @@ if [[ $what == pending67 ]]; then
   # session 21 (issue 4): CudaGraphRunner.fill copies a batch into the static buffers with one
   # multi-tensor copy per dtype (graphs.FOREACH_FILL) instead of seven copies, which ran on the GPU
   # between two replays. GPU graph tests, then Ouro-1.4B and Nanbeige with and without, alternating,
-  # then one profile each (its "copy" class counts the copies per token) (~4 min)
+  # then one profile each (its "copy" class counts the copies per token), then the engine at batch 1 (~7 min)
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   for grouped in True False True False; do
@@ -690,6 +691,14 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b,nanbe
 from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
       --profile --out "$OUT/profile_fill_$grouped.md" > /dev/null 2>&1
     echo "== profile FOREACH_FILL=$grouped"; grep -o "GPU busy.*Top kernels" "$OUT/profile_fill_$grouped.md" | head -2
+  done
+  # the engine at batch 1 (what generate / serve run: sampler, input buffers, fill, replay), both ways
+  for grouped in True False; do
+    echo "== engine batch 1, FOREACH_FILL=$grouped"
+    timeout 150 python3 -c "import sys, rlt_compile.graphs as g; g.FOREACH_FILL = $grouped
+from rlt_compile import bench; bench.main(sys.argv[1:])" --engine-profile --model ouro-1.4b --batches 1 \
+      --out "$OUT/engine_fill_$grouped.md" > "$OUT/engine_fill_$grouped.log" 2>&1
+    grep -E "^\| 1 \|" "$OUT/engine_fill_$grouped.md"
   done
 fi
 exit 0
