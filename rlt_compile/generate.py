@@ -28,6 +28,17 @@ def parse_model_option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def parse_int_list(text: str) -> list[int]:
+    """``"64,128,256"`` -> ``[64, 128, 256]`` (positive integers)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlt_compile.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint folder (HF format)")
@@ -48,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--compile", action="store_true", help="run the compiled step (rlt_compile.compiler)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
+    p.add_argument("--cuda-graph-prefill-tokens", type=parse_int_list, default=None, metavar="N,N,...",
+                   help="with --cuda-graphs: also replay prefill steps of up to these token counts")  # fmt: skip
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharing the model (under torchrun)")
     p.add_argument("--verbose", action="store_true", help="print token counts, timing and tok/s to stderr")
@@ -83,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             compile=args.compile,
             use_cuda_graphs=args.cuda_graphs,
+            cuda_graph_prefill_tokens=args.cuda_graph_prefill_tokens,
             model_options=dict(args.model_option),
             max_num_seqs=1,
             tensor_parallel_size=args.tensor_parallel_size,

@@ -44,3 +44,16 @@ def test_generate_cli_reports_bad_arguments(tiny_dirs):
 def test_generate_cli_reports_a_bad_checkpoint(tmp_path):
     proc = _run("--model", str(tmp_path / "missing"), "--prompt", "hello")
     assert proc.returncode == 2 and "not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_cli_prefill_graphs_give_the_same_text(tiny_dirs):
+    """``--cuda-graphs --cuda-graph-prefill-tokens``: on the CPU the graph runners' static-buffer steps,
+    the text of the plain engine; a bad bucket list is an argument error."""
+    model_dir = str(tiny_dirs["ouro"])
+    args = ("--model", model_dir, "--prompt", "the capital of france is", "--max-tokens", "5")
+    plain = _run(*args)
+    graphs = _run(*args, "--cuda-graphs", "--cuda-graph-prefill-tokens", "8,32")
+    assert plain.returncode == graphs.returncode == 0, graphs.stderr
+    assert graphs.stdout == plain.stdout and plain.stdout.strip()
+    bad = _run(*args, "--cuda-graphs", "--cuda-graph-prefill-tokens", "0,x")
+    assert bad.returncode == 2 and "--cuda-graph-prefill-tokens" in bad.stderr

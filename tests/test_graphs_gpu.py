@@ -5,7 +5,8 @@
 * exact greedy tokens (fp32, tf32 off) with prefill compiled and every decode step a graph replay;
 * the Inductor code hands the KV planes to the Triton attention op without copying them;
 * one graph replay covers all loop steps (Huginn at 32 recurrences) and padding rows do not
-  change real rows.
+  change real rows;
+* prefill / mixed-batch graphs (``PrefillGraphRunner``) equal the compiled step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rlt_compile.graphs import CudaGraphRunner
 from rlt_compile.kernels import triton_attention
 from rlt_compile.kernels.metadata import build_metadata
 from rlt_compile.models.runner import greedy_generate
+from rlt_compile.prefill_graphs import PrefillGraphRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -199,3 +201,47 @@ def test_short_context_graph_takes_16_key_tiles_and_matches_eager(tiny_dirs, mon
             want = ref(ids, pos, ref_planes, meta, rows, **opts)
         torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
     assert runner.replays == 2 and runner.fallbacks == 0
+
+
+def varlen_batch(parts):
+    """A step of ``(tokens, cached positions, block table)`` parts: ids, positions, metadata, and the
+    last token's row of each part."""
+    meta = build_metadata([len(t) for t, _, _ in parts], [c for _, c, _ in parts], [b for _, _, b in parts], BLOCK,
+                          device="cuda")  # fmt: skip
+    ids = torch.tensor([x for t, _, _ in parts for x in t], device="cuda")
+    pos = torch.cat([torch.arange(c, c + len(t)) for t, c, _ in parts]).cuda()
+    rows = torch.cumsum(torch.tensor([len(t) for t, _, _ in parts]), 0).cuda() - 1
+    return ids, pos, meta, rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_graphs_equal_the_compiled_step_bf16(tiny_dirs, family):
+    """A fresh 40-token prompt (graph (64, 1): the TMA prefill's shape where the GPU has TMA), then two
+    mixed batches (decode rows, a fresh prompt, a prompt in two chunks), each replayed from a prefill
+    graph, give the compiled step's logits, and the K/V planes end up the same."""
+    opts = family_options(family)
+    model = load(tiny_dirs, family, torch.bfloat16)
+    cm = compile_model(model, platform="cuda")
+    planes = model.allocate_kv_cache(16, BLOCK)
+    ref_planes = [p.clone() for p in planes]
+    runner = PrefillGraphRunner(cm.run_compiled, planes, max_blocks_per_seq=4, token_buckets=[32, 64], max_num_seqs=4,
+                                step_options=opts).capture()  # fmt: skip
+    assert sorted(runner.graphs) == [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4)]
+    gen = torch.Generator().manual_seed(11)
+    a, b, c = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (40, 20, 30))
+    ta, tb, tc = [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]
+    steps = [
+        [(a, 0, ta)],
+        [(a[-1:], 40, ta), (b, 0, tb), (c[:10], 0, tc)],
+        [(c[10:], 10, tc), (a[:1], 41, ta), (b[-1:], 20, tb)],
+    ]
+    assert [runner.bucket_for(sum(len(t) for t, _, _ in s), len(s)) for s in steps] == [(64, 1), (32, 4), (32, 4)]
+    for parts in steps:
+        ids, pos, meta, rows = varlen_batch(parts)
+        got = runner(ids, pos, meta, rows)
+        with torch.no_grad():
+            want = cm(ids, pos, ref_planes, meta, rows, **opts)
+        torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    for p, r in zip(planes, ref_planes):
+        torch.testing.assert_close(p.float(), r.float(), **BF16_TOL)
+    assert runner.replays == 3

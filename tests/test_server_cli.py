@@ -60,6 +60,9 @@ def test_cli_options_map_to_engine_config():
     assert engine_options(args)["wavefront_prefill_chunk"] == 64
     args = build_parser().parse_args(["--model", "m", "--generation-config", "vllm"])
     assert engine_options(args)["generation_config"] == "vllm"
+    args = build_parser().parse_args(["--model", "m", "--cuda-graphs", "--cuda-graph-prefill-tokens", "64,16"])
+    assert engine_options(args)["cuda_graph_prefill_tokens"] == [64, 16]
+    assert "cuda_graph_prefill_tokens" not in engine_options(build_parser().parse_args(["--model", "m"]))
 
 
 def test_serve_process_streams_and_shuts_down_gracefully(tiny_dirs):

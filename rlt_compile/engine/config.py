@@ -44,6 +44,11 @@ class EngineConfig:
     # Short-context decode graphs for buckets up to 8 (positions; None: graphs.CudaGraphRunner's
     # default [256]; []: none): their attention takes the short context's tiles (docs/compiler.md).
     cuda_graph_context_buckets: list[int] | None = None
+    # Prefill / mixed-batch graphs (prefill_graphs.PrefillGraphRunner, docs/compiler.md): token buckets
+    # (None or []: off) and sequence buckets (None: powers of two up to max_num_seqs and each token
+    # bucket). Needs use_cuda_graphs.
+    cuda_graph_prefill_tokens: list[int] | None = None
+    cuda_graph_prefill_seqs: list[int] | None = None
     seed: int = 0  # for requests without their own seed
     async_scheduling: bool = False  # prepare step n+1 on the host while the device runs step n
     # Self-speculative decoding (docs/speculation.md): draft K tokens with the model's first d loop
@@ -98,6 +103,13 @@ class EngineConfig:
             f"must be >= 1, got {self.max_model_len}",
         )
         check(self.scheduling_policy in POLICIES, "scheduling_policy", f"must be one of {POLICIES}")
+        for name in ("cuda_graph_buckets", "cuda_graph_prefill_tokens", "cuda_graph_prefill_seqs"):
+            buckets = getattr(self, name)
+            check(
+                buckets is None or all(isinstance(b, int) and b >= 1 for b in buckets),
+                name,
+                f"must be a list of positive integers or None, got {buckets!r}",
+            )
         check(
             self.max_queue_size is None or self.max_queue_size >= 1,
             "max_queue_size",

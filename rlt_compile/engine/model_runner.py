@@ -5,8 +5,9 @@ It flattens the batch (varlen layout, see ``kernels/metadata.py``): each sequenc
 its uncomputed tokens (a partial prefill chunk produces none). With ``prompt_logprobs`` the rows of
 the prompt positions a request asked logprobs for follow the sampled rows. The step function is the
 model, or ``rlt_compile.compiler.compile_model(model, ...)`` with ``compile=True``; with
-``use_cuda_graphs=True`` decode-only batches replay ``rlt_compile.graphs.CudaGraphRunner`` graphs.
-Both modules are optional: when one is missing the runner warns and falls back to the plain path.
+``use_cuda_graphs=True`` decode-only batches replay ``rlt_compile.graphs.CudaGraphRunner`` graphs, and
+with ``cuda_graph_prefill_tokens`` prefill and mixed batches ``rlt_compile.prefill_graphs``' ones.
+These modules are optional: when one is missing the runner warns and falls back to the plain path.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class ModelRunner:
         use_graphs = config.use_cuda_graphs and not config.depth_batching
         self.graph_runner = self._build_graph_runner() if use_graphs else None
         self._row_graph_runner = None  # Ouro's per-request exits; captured at first use
+        prefill_graphs = config.use_cuda_graphs and bool(config.cuda_graph_prefill_tokens)
+        self.prefill_graph_runner = self._build_prefill_graph_runner() if prefill_graphs else None
 
     def _build_step_fn(self):
         if not self.config.compile:
@@ -172,6 +175,36 @@ class ModelRunner:
         )
         runner.capture()
         return runner
+
+    def _build_prefill_graph_runner(self):
+        """Graphs for prefill and mixed batches (``cuda_graph_prefill_tokens``), captured with the
+        options every prompt token runs with: the engine-wide ones without ``kv_layout``."""
+        runner_cls = _optional("rlt_compile.prefill_graphs", "PrefillGraphRunner")
+        if runner_cls is None or (self.device.type == "cuda" and self.step_fn is self.model):
+            log.warning("prefill graphs need compile=True and rlt_compile.prefill_graphs; none captured")
+            return None
+        runner = runner_cls(
+            self.step_fn,
+            self.kv_caches,
+            -(-self.max_model_len // self.block_size),
+            self.config.cuda_graph_prefill_tokens,
+            seq_buckets=self.config.cuda_graph_prefill_seqs,
+            max_num_seqs=self.config.max_num_seqs,
+            step_options={k: v for k, v in self.model_options.items() if k != "kv_layout"},
+            pool=self.graph_runner.pool if self.graph_runner is not None else None,
+        )
+        runner.capture()
+        return runner
+
+    def prefill_graph_serves(self, batch: ScheduledBatch, inputs: StepInputs, options: dict) -> bool:
+        """Whether the prefill graphs run this batch: its options are the ones they were captured with
+        (no per-request tensors), no prompt logprob rows, and a captured shape holds it."""
+        runner = self.prefill_graph_runner
+        if runner is None or inputs.prompt_rows or any(isinstance(v, torch.Tensor) for v in options.values()):
+            return False
+        if options != runner.step_options:
+            return False
+        return runner.can_run(batch.total_tokens, len(batch), inputs.logits_indices.shape[0])
 
     def row_graph_runner(self, options: dict):
         """The graphs for decode batches whose only non-engine-wide options are Ouro's per-row exit
@@ -327,6 +360,8 @@ class ModelRunner:
         elif row_runner is not None and row_runner.can_run(batch.total_tokens, n):
             rows = {name: options[name] for name in OURO_ROW_OPTIONS}
             logits = row_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, rows)
+        elif not extra_options and self.prefill_graph_serves(batch, inputs, options):
+            logits = self.prefill_graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
         else:
             logits = self.step_fn(
                 inputs.input_ids,

@@ -1,0 +1,213 @@
+"""CUDA/HIP graphs for prefill and mixed batches, one per (token bucket, sequence bucket).
+
+Without a graph the compiled step is bound by the host on small batches: each of its several
+hundred launches (custom ops, Triton launchers, Inductor kernels) costs tens of microseconds of
+Python, so a short prompt's prefill takes far longer on the host than on the GPU (a depth-batching
+engine's prefill step: ~100 ms, docs/benchmarks.md). ``PrefillGraphRunner(step_fn, kv_caches,
+max_blocks_per_seq, token_buckets, seq_buckets)`` captures ``step_fn`` for batches of any mix of
+prompts, chunks and decode rows, so such a step costs one replay:
+
+* Buckets: a batch of ``t`` tokens from ``s`` sequences replays the graph of the smallest token
+  bucket ``T >= t`` and, among the sequence buckets ``S <= T`` captured with it, the smallest
+  ``S >= s``. Batches beyond every bucket, or with more logits rows than ``S``, call ``step_fn``.
+* Padding: tokens ``t .. T-1`` are token 0 at position 0 with slot -1 (no KV write) and belong to no
+  sequence (the attention kernels write zeros for them); sequences ``s .. S-1`` have query length 0
+  and ``seq_len`` 0 (``query_start_loc`` stays at ``t``) and a zero block table; logits rows past the
+  batch's point at row 0. Every op but attention is row-wise, and attention reads only the real
+  sequences' K/V, so real rows are what the unpadded step gives.
+* Kernels choose tiles and paths from shapes only, so a graph runs what its padded shape selects
+  (e.g. the TMA prefill where ``T / S`` averages at least 32 query tokens).
+* Static buffers at the largest buckets, sliced per graph; a call fills them with one multi-tensor
+  copy per dtype (``graphs.copy_grouped``). Graphs capture largest first into one memory pool
+  (``pool``: share the decode graphs' pool; graphs of one engine never run concurrently); the
+  returned logits are a copy.
+* ``use_graphs=False`` keeps the static buffers and padding and calls ``step_fn`` (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rlt_compile.graphs import capture_graph, copy_grouped, normalize_buckets
+from rlt_compile.kernels.metadata import AttentionMetadata
+
+log = logging.getLogger("rlt_compile.prefill_graphs")
+
+
+class PrefillGraphRunner:
+    def __init__(
+        self,
+        step_fn: Callable,
+        kv_caches: list[torch.Tensor],
+        max_blocks_per_seq: int,
+        token_buckets: Sequence[int],
+        seq_buckets: Sequence[int] | None = None,
+        max_num_seqs: int | None = None,
+        step_options: dict | None = None,
+        use_graphs: bool | None = None,
+        warmup_runs: int = 2,
+        pool=None,
+    ):
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        self.step_fn = step_fn
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0].device
+        self.max_blocks_per_seq = int(max_blocks_per_seq)
+        self.token_buckets = normalize_buckets(token_buckets, 1)
+        top_seqs = min(self.token_buckets[-1], max_num_seqs or self.token_buckets[-1])
+        self.seq_buckets = normalize_buckets(seq_buckets, top_seqs)
+        self.step_options = dict(step_options or {})
+        self.step_options.pop("return_details", None)
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
+        if use_graphs and self.device.type != "cuda":
+            raise RuntimeError(f"CUDA/HIP graphs need the KV cache on a GPU, it is on {self.device}")
+        self.use_graphs = use_graphs
+        self.warmup_runs = warmup_runs
+        T, S, dev = self.token_buckets[-1], self.seq_buckets[-1], self.device
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros((S, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.zeros(S, dtype=torch.long, device=dev)
+        # constant sources of the padding values, sliced per batch (``_padding_pairs``)
+        self._zeros = torch.zeros(T, dtype=torch.long, device=dev)
+        self._no_slots = torch.full((T,), -1, dtype=torch.long, device=dev)
+        self._zero_tables = torch.zeros((S, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self._token_counts = torch.arange(T + 1, dtype=torch.int32, device=dev)[:, None].expand(T + 1, S).contiguous()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = pool
+        self.captured = False
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    # -- buckets ---------------------------------------------------------------------------
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every captured (token bucket, sequence bucket): sequence buckets up to the token bucket."""
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, rows: int | None = None) -> tuple[int, int] | None:
+        """The graph for ``num_tokens`` tokens of ``num_seqs`` sequences with ``rows`` logits rows
+        (default ``num_seqs``), or None."""
+        rows = num_seqs if rows is None else rows
+        for t in self.token_buckets:
+            if t < num_tokens:
+                continue
+            for s in self.seq_buckets:
+                if s > t:
+                    break
+                if s >= num_seqs and s >= rows:
+                    return t, s
+        return None
+
+    def can_run(self, num_tokens: int, num_seqs: int, rows: int | None = None) -> bool:
+        return self.captured and num_seqs >= 1 and self.bucket_for(num_tokens, num_seqs, rows) is not None
+
+    def static_inputs(self, tokens: int, seqs: int):
+        """The graph's views of the static buffers: (input_ids, positions, attn, logits_indices)."""
+        attn = AttentionMetadata(
+            self.slot_mapping[:tokens],
+            self.block_tables[:seqs],
+            self.seq_lens[:seqs],
+            self.query_start_loc[: seqs + 1],
+        )
+        return self.input_ids[:tokens], self.positions[:tokens], attn, self.logits_indices[:seqs]
+
+    # -- buffers ---------------------------------------------------------------------------
+    def fill(self, shape: tuple[int, int], input_ids, positions, attn: AttentionMetadata, logits_indices) -> None:
+        """Copy a batch into the static buffers and pad it to ``shape`` (tokens, sequences)."""
+        tokens, seqs = shape
+        t, s, rows = input_ids.shape[0], attn.num_seqs, logits_indices.shape[0]
+        if attn.slot_mapping.shape[0] != t or positions.shape[0] != t:
+            raise ValueError(f"{t} input ids but {positions.shape[0]} positions, {attn.slot_mapping.shape[0]} slots")
+        if t > tokens or s > seqs or rows > seqs:
+            raise ValueError(f"{t} tokens, {s} sequences, {rows} logits rows do not fit {shape}")
+        width = attn.block_tables.shape[1]
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={self.max_blocks_per_seq}")
+        pairs = [
+            (self.input_ids[:t], input_ids),
+            (self.positions[:t], positions),
+            (self.slot_mapping[:t], attn.slot_mapping),
+            (self.seq_lens[:s], attn.seq_lens),
+            (self.query_start_loc[: s + 1], attn.query_start_loc),
+            (self.block_tables[:s, :width], attn.block_tables),
+            (self.block_tables[:s, width:], self._zero_tables[:s, width:]),
+            (self.logits_indices[:rows], logits_indices),
+        ]
+        copy_grouped(pairs + self._padding_pairs(shape, t, s, rows))
+
+    def _padding_pairs(self, shape: tuple[int, int], t: int, s: int, rows: int) -> list:
+        """(buffer, value) pairs padding ``t`` tokens of ``s`` sequences (``rows`` logits rows) to
+        ``shape``; the values are slices of constant tensors made once."""
+        tokens, seqs = shape
+        return [
+            (self.input_ids[t:tokens], self._zeros[t:tokens]),
+            (self.positions[t:tokens], self._zeros[t:tokens]),
+            (self.slot_mapping[t:tokens], self._no_slots[t:tokens]),
+            (self.seq_lens[s:seqs], self._token_counts[0, : seqs - s]),
+            (self.block_tables[s:seqs], self._zero_tables[s:seqs]),
+            # query length 0 for padding sequences: their start offsets all equal the real token count
+            (self.query_start_loc[s + 1 : seqs + 1], self._token_counts[t, : seqs - s]),
+            (self.logits_indices[rows:seqs], self._zeros[: seqs - rows]),
+        ]
+
+    def _run_step(self, shape: tuple[int, int]) -> torch.Tensor:
+        input_ids, positions, attn, logits_indices = self.static_inputs(*shape)
+        out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
+        return out[0] if isinstance(out, tuple) else out
+
+    # -- capture ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self) -> PrefillGraphRunner:
+        """Warm up and capture every shape, largest first, into one memory pool."""
+        t0 = time.perf_counter()
+        for shape in sorted(self.shapes(), reverse=True):
+            self.query_start_loc[0] = 0
+            copy_grouped(self._padding_pairs(shape, 0, 0, 0))  # an all-padding batch: no KV reads or writes
+            if not self.use_graphs:
+                self.outputs[shape] = self._run_step(shape)
+                continue
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            self.graphs[shape], self.outputs[shape] = capture_graph(
+                lambda shape=shape: self._run_step(shape), self.device, self.warmup_runs, self.pool
+            )
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+        self.captured = True
+        self.capture_seconds = time.perf_counter() - t0
+        log.info(
+            "captured %d prefill %s (tokens %s x sequences %s) in %.2f s",
+            len(self.shapes()),
+            "CUDA/HIP graphs" if self.use_graphs else "static-buffer steps (no graphs)",
+            self.token_buckets,
+            self.seq_buckets,
+            self.capture_seconds,
+        )
+        return self
+
+    # -- running ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, input_ids, positions, attn: AttentionMetadata, logits_indices) -> torch.Tensor:
+        """Logits of the batch's ``logits_indices`` rows (fp32, a copy); ``step_fn`` where no graph fits."""
+        shape = self.bucket_for(input_ids.shape[0], attn.num_seqs, logits_indices.shape[0])
+        if not self.captured or shape is None:
+            out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
+            return out[0] if isinstance(out, tuple) else out
+        self.fill(shape, input_ids, positions, attn, logits_indices)
+        if self.use_graphs:
+            self.graphs[shape].replay()
+            out = self.outputs[shape]
+        else:
+            out = self._run_step(shape)
+        self.replays += 1
+        return out[: logits_indices.shape[0]].clone()
