@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending67|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending69|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -699,6 +699,28 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eag
 from rlt_compile import bench; bench.main(sys.argv[1:])" --engine-profile --model ouro-1.4b --batches 1 \
       --out "$OUT/engine_fill_$grouped.md" > "$OUT/engine_fill_$grouped.log" 2>&1
     grep -E "^\| 1 \|" "$OUT/engine_fill_$grouped.md"
+  done
+fi
+if [[ $what == pending68 ]]; then
+  # session 21 (issue 4): prefill / mixed-batch graphs (prefill_graphs.PrefillGraphRunner, off by default).
+  # GPU tests of the graphs, then each model's prefill step with and without a graph (fresh prompts of
+  # 16 / 128 / 512 tokens, 15 decode rows + a 512-token chunk) (~6 min; pending69: TTFT behind the server).
+  # If the graphs hold, make them the default (EngineConfig)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs_gpu.py tests/test_engine_gpu.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for model in ouro-1.4b nanbeige4.2-3b huginn-0125; do
+    timeout 150 python3 benchmarks/prefill_graph_bench.py --model $model --out "$OUT/prefill_graph_$model.md" 2>&1 \
+      | grep -E "^(\||Prefill|error)"
+  done
+fi
+if [[ $what == pending69 ]]; then
+  # session 21 (issue 4): TTFT and ITL behind the OpenAI server, compiled + decode graphs, with and without
+  # prefill / mixed-step graphs (128-token prompts, 64 output tokens, concurrency 1 and 16) (~5 min)
+  for graphs in "" "--prefill-graphs 64,128,256,512,1024,2048"; do
+    echo "== serve_bench --compile $graphs"
+    timeout 280 python3 benchmarks/serve_bench.py --compile $graphs --concurrency 1,16 --time-limit 30 \
+      --out "$OUT/serve${graphs:+_prefill_graphs}.md" 2>&1 | grep -E "^\|" | tail -4
   done
 fi
 exit 0

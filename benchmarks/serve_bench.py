@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlt_compile.generate import parse_int_list  # noqa: E402
+
 MODEL_NAME = "ouro-1.4b-random"
 
 
@@ -90,6 +92,7 @@ def serve(args: argparse.Namespace) -> None:
         enable_prefix_caching=False,  # random prompts share nothing
         compile=args.compile,
         use_cuda_graphs=args.compile and not args.tiny,
+        cuda_graph_prefill_tokens=args.prefill_graphs if args.compile else None,
     )
     if args.baseline_file:
         Path(args.baseline_file).write_text(json.dumps(engine_baseline(llm.engine, args)))
@@ -335,7 +338,11 @@ def bench(args: argparse.Namespace) -> int:
             child.kill()
             child.wait()
     mode = (
-        ("compiled + CUDA graphs" if args.compile else f"eager, {args.attention} attention")
+        (
+            ("compiled + CUDA graphs" + (f" + prefill graphs {args.prefill_graphs}" if args.prefill_graphs else ""))
+            if args.compile
+            else f"eager, {args.attention} attention"
+        )
         if not args.tiny
         else "eager"
     )
@@ -367,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=150.0)
     p.add_argument("--attention", choices=("triton", "torch"), default="triton", help="eager attention on CUDA")
     p.add_argument("--compile", action="store_true", help="serve with compile=True and CUDA graphs")
+    p.add_argument("--prefill-graphs", type=parse_int_list, default=None, metavar="N,N,...",
+                   help="with --compile: prefill / mixed-step graphs for these token buckets")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="tiny Ouro on the CPU (a smoke run of this script)")
     p.add_argument("--engine-baseline", action="store_true", help="also time the engine alone (no HTTP) before serving")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
@@ -388,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         args.attention,
     ]
     args.child_argv += ["--compile"] if args.compile else []
+    args.child_argv += ["--prefill-graphs", ",".join(map(str, args.prefill_graphs))] if args.prefill_graphs else []
     args.child_argv += ["--tiny"] if args.tiny else []
     return bench(args)
 

@@ -26,6 +26,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
             "| model epilogues, gemv acc_2d",
         ),
         ("prefill_tma_bench.py", ["--smoke", "--extra", "fold_scale=1,rescale_slack=8"], "rescale_slack=8"),
+        ("prefill_graph_bench.py", ["--smoke"], "| 3 decodes + chunk 12 | 15 | (16, 4) |"),
     ],
 )
 def test_benchmark_smoke_mode_runs_and_checks_its_kernels(script, args, expected):

@@ -136,8 +136,14 @@ ENGINE_MODES = {
 
 
 @pytest.mark.parametrize(
-    "family, mode", [("ouro", "plain"), ("huginn", "plain"), ("nanbeige", "async"), ("ouro", "depth_batching"),
-                     ("nanbeige", "speculative")]  # fmt: skip
+    "family, mode",
+    [
+        ("ouro", "plain"),
+        ("huginn", "plain"),
+        ("nanbeige", "async"),
+        ("ouro", "depth_batching"),
+        ("nanbeige", "speculative"),
+    ],  # fmt: skip
 )
 def test_engine_with_prefill_graphs_gives_the_same_tokens(tiny_dirs, family, mode):
     """An engine with ``cuda_graph_prefill_tokens`` (static buffers on the CPU) runs its prefill and
