@@ -153,7 +153,96 @@ def capture_graph(fn: Callable[[], object], device: torch.device, warmup_runs: i
     return graph, out
 
 
-class CudaGraphRunner:
+class StaticStepRunner:
+    """What the graph runners share: the step, the KV planes, the step's options, whether graphs are
+    captured, and static input buffers for up to ``tokens`` tokens of ``seqs`` sequences, with the
+    constant tensors their padding values are sliced from."""
+
+    def __init__(self, step_fn: Callable, kv_caches: list[torch.Tensor], max_blocks_per_seq: int,
+                 step_options: dict | None, use_graphs: bool | None, warmup_runs: int):  # fmt: skip
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        self.step_fn = step_fn
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0].device
+        self.max_blocks_per_seq = int(max_blocks_per_seq)
+        self.step_options = dict(step_options or {})
+        self.step_options.pop("return_details", None)
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
+        if use_graphs and self.device.type != "cuda":
+            raise RuntimeError(f"CUDA/HIP graphs need the KV cache on a GPU, it is on {self.device}")
+        self.use_graphs = use_graphs
+        self.warmup_runs = warmup_runs
+        self.pool = None
+        self.captured = False
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def _allocate(self, tokens: int, seqs: int) -> None:
+        dev, width = self.device, self.max_blocks_per_seq
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(seqs, dtype=torch.long, device=dev)
+        # constant sources of the padding values, sliced per batch (``_padding_pairs``)
+        self._arange = torch.arange(max(tokens, seqs), dtype=torch.long, device=dev)
+        self._zeros = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self._no_slots = torch.full((tokens,), -1, dtype=torch.long, device=dev)
+        self._zeros32 = torch.zeros(seqs, dtype=torch.int32, device=dev)
+        self._zero_tables = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
+        # row c: the value c, as often as sequences can be padded (query starts of padding sequences)
+        self._token_counts = (
+            torch.arange(tokens + 1, dtype=torch.int32, device=dev)[:, None].expand(-1, seqs).contiguous()
+        )
+
+    def _views(self, tokens: int, seqs: int):
+        """The static buffers' views for ``tokens`` x ``seqs``: (input_ids, positions, attn, logits_indices)."""
+        attn = AttentionMetadata(
+            self.slot_mapping[:tokens],
+            self.block_tables[:seqs],
+            self.seq_lens[:seqs],
+            self.query_start_loc[: seqs + 1],
+        )
+        return self.input_ids[:tokens], self.positions[:tokens], attn, self.logits_indices[:seqs]
+
+    def _batch_pairs(self, input_ids, positions, attn: AttentionMetadata, logits_indices, rows: int) -> list:
+        """(buffer, value) pairs copying a batch of ``input_ids.shape[0]`` tokens, ``attn.num_seqs``
+        sequences and ``rows`` logits rows (``logits_indices``, None: the first ``rows`` rows) in."""
+        t, s, width = input_ids.shape[0], attn.num_seqs, attn.block_tables.shape[1]
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={self.max_blocks_per_seq}")
+        return [
+            (self.input_ids[:t], input_ids),
+            (self.positions[:t], positions),
+            (self.slot_mapping[:t], attn.slot_mapping),
+            (self.seq_lens[:s], attn.seq_lens),
+            (self.query_start_loc[: s + 1], attn.query_start_loc),
+            (self.block_tables[:s, :width], attn.block_tables),
+            (self.block_tables[:s, width:], self._zero_tables[:s, width:]),
+            (self.logits_indices[:rows], self._arange[:rows] if logits_indices is None else logits_indices),
+        ]
+
+    def _padding_pairs(self, t: int, tokens: int, s: int, seqs: int, rows: int) -> list:
+        """(buffer, value) pairs padding ``t`` tokens of ``s`` sequences to ``tokens`` x ``seqs``:
+        padding tokens are token 0 at position 0 with slot -1, padding sequences have query length 0
+        (their start offsets all equal ``t``), ``seq_len`` 0 and a zero block table, and logits rows
+        from ``rows`` on point at themselves."""
+        return [
+            (self.input_ids[t:tokens], self._zeros[t:tokens]),
+            (self.positions[t:tokens], self._zeros[t:tokens]),
+            (self.slot_mapping[t:tokens], self._no_slots[t:tokens]),
+            (self.seq_lens[s:seqs], self._zeros32[s:seqs]),
+            (self.block_tables[s:seqs], self._zero_tables[s:seqs]),
+            (self.query_start_loc[s + 1 : seqs + 1], self._token_counts[t, : seqs - s]),
+            (self.logits_indices[rows:seqs], self._arange[rows:seqs]),
+        ]
+
+
+class CudaGraphRunner(StaticStepRunner):
     def __init__(
         self,
         step_fn: Callable,
@@ -169,42 +258,16 @@ class CudaGraphRunner:
         context_buckets: Sequence[int] | None = None,
         context_max_batch: int = 8,
     ):
-        if not kv_caches:
-            raise ValueError("kv_caches is empty")
-        self.step_fn = step_fn
-        self.kv_caches = kv_caches
-        self.device = kv_caches[0].device
+        super().__init__(step_fn, kv_caches, max_blocks_per_seq, step_options, use_graphs, warmup_runs)
         self.max_num_seqs = max_num_seqs
-        self.max_blocks_per_seq = int(max_blocks_per_seq)
         self.buckets = normalize_buckets(buckets, max_num_seqs)
-        self.step_options = dict(step_options or {})
-        self.step_options.pop("return_details", None)
-        if use_graphs is None:
-            use_graphs = self.device.type == "cuda"
-        if use_graphs and self.device.type != "cuda":
-            raise RuntimeError(f"CUDA/HIP graphs need the KV cache on a GPU, it is on {self.device}")
-        self.use_graphs = use_graphs
         self.clone_outputs = clone_outputs
-        self.warmup_runs = warmup_runs
         B, dev = self.buckets[-1], self.device
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((B,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros((B, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.zeros(B + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.arange(B, dtype=torch.long, device=dev)
+        self._allocate(B, B)
         self.row_options = dict(row_options or {})
         self.row_buffers = {
             name: torch.full((B,), pad, dtype=dtype, device=dev) for name, (dtype, pad) in self.row_options.items()
         }
-        # constant sources of the padding values, sliced per batch (``_padding_pairs``)
-        self._arange = torch.arange(B, dtype=torch.long, device=dev)
-        self._zeros = torch.zeros(B, dtype=torch.long, device=dev)
-        self._no_slots = torch.full((B,), -1, dtype=torch.long, device=dev)
-        self._zeros32 = torch.zeros(B, dtype=torch.int32, device=dev)
-        self._zero_tables = torch.zeros((B, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self._token_counts = torch.arange(B + 1, dtype=torch.int32, device=dev)[:, None].expand(B + 1, B).contiguous()
         self._row_padding = {name: buf.clone() for name, buf in self.row_buffers.items()}
         self.block_size = int(kv_caches[0].shape[2])
         if context_buckets is None:
@@ -217,10 +280,6 @@ class CudaGraphRunner:
         # keyed by (batch bucket, context bucket); None: the block table's whole width
         self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
-        self.pool = None
-        self.captured = False
-        self.capture_seconds = 0.0
-        self.replays = 0
         self.fallbacks = 0
 
     # -- buffers ---------------------------------------------------------------------------
@@ -246,13 +305,7 @@ class CudaGraphRunner:
 
     def static_inputs(self, bucket: int):
         """The bucket's views of the static buffers: (input_ids, positions, attn, logits_indices)."""
-        attn = AttentionMetadata(
-            self.slot_mapping[:bucket],
-            self.block_tables[:bucket],
-            self.seq_lens[:bucket],
-            self.query_start_loc[: bucket + 1],
-        )
-        return self.input_ids[:bucket], self.positions[:bucket], attn, self.logits_indices[:bucket]
+        return self._views(bucket, bucket)
 
     def fill(
         self, bucket: int, input_ids, positions, attn: AttentionMetadata, logits_indices=None, row_values=None
@@ -264,22 +317,10 @@ class CudaGraphRunner:
             raise ValueError(f"not a decode-only batch: {input_ids.shape[0]} tokens for {n} sequences")
         if n > bucket:
             raise ValueError(f"{n} sequences do not fit bucket {bucket}")
-        width = attn.block_tables.shape[1]
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={self.max_blocks_per_seq}")
         rows = n if logits_indices is None else logits_indices.shape[0]
-        pairs = [
-            (self.input_ids[:n], input_ids),
-            (self.positions[:n], positions),
-            (self.slot_mapping[:n], attn.slot_mapping),
-            (self.seq_lens[:n], attn.seq_lens),
-            (self.query_start_loc[: n + 1], attn.query_start_loc),
-            (self.block_tables[:n, :width], attn.block_tables),
-            (self.block_tables[:n, width:], self._zero_tables[:n, width:]),
-            (self.logits_indices[:rows], self._arange[:rows] if logits_indices is None else logits_indices),
-        ]
+        pairs = self._batch_pairs(input_ids, positions, attn, logits_indices, rows)
         pairs += self._row_pairs(bucket, rows, row_values)
-        copy_grouped(pairs + self._padding_pairs(n, bucket, rows))
+        copy_grouped(pairs + self._padding_pairs(n, bucket, n, bucket, rows))
         return n
 
     def _row_pairs(self, bucket: int, rows: int, row_values: dict[str, torch.Tensor] | None) -> list:
@@ -294,21 +335,6 @@ class CudaGraphRunner:
                 raise ValueError(f"row_values[{name!r}] has shape {tuple(values.shape)}, want ({rows},)")
             pairs += [(buf[:rows], values), (buf[rows:bucket], self._row_padding[name][rows:bucket])]
         return pairs
-
-    def _padding_pairs(self, n: int, bucket: int, rows: int | None = None) -> list:
-        """(buffer, value) pairs making rows ``n .. bucket-1`` padding; logits rows from ``rows`` on
-        point at themselves. The values are slices of constant tensors made once."""
-        rows = n if rows is None else rows
-        return [
-            (self.logits_indices[rows:bucket], self._arange[rows:bucket]),
-            (self.input_ids[n:bucket], self._zeros[n:bucket]),
-            (self.positions[n:bucket], self._zeros[n:bucket]),
-            (self.slot_mapping[n:bucket], self._no_slots[n:bucket]),
-            (self.seq_lens[n:bucket], self._zeros32[n:bucket]),
-            (self.block_tables[n:bucket], self._zero_tables[n:bucket]),
-            # query length 0 for padding sequences: their start offsets all equal the real token count
-            (self.query_start_loc[n + 1 : bucket + 1], self._token_counts[n, : bucket - n]),
-        ]
 
     def _run_step(self, bucket: int, context: int | None = None) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(bucket)
@@ -326,7 +352,7 @@ class CudaGraphRunner:
             self.query_start_loc[0] = 0
             for name, buf in self.row_buffers.items():
                 buf.copy_(self._row_padding[name])
-            copy_grouped(self._padding_pairs(0, bucket))  # an all-padding batch: no KV reads or writes
+            copy_grouped(self._padding_pairs(0, bucket, 0, bucket, 0))  # all padding: no KV reads or writes
             for context in self.contexts_for(bucket):
                 key = (bucket, context)
                 if not self.use_graphs:

@@ -13,7 +13,7 @@ prompts, chunks and decode rows, so such a step costs one replay:
 * Padding: tokens ``t .. T-1`` are token 0 at position 0 with slot -1 (no KV write) and belong to no
   sequence (the attention kernels write zeros for them); sequences ``s .. S-1`` have query length 0
   and ``seq_len`` 0 (``query_start_loc`` stays at ``t``) and a zero block table; logits rows past the
-  batch's point at row 0. Every op but attention is row-wise, and attention reads only the real
+  batch's point at themselves. Every op but attention is row-wise, and attention reads only the real
   sequences' K/V, so real rows are what the unpadded step gives.
 * Kernels choose tiles and paths from shapes only, so a graph runs what its padded shape selects
   (e.g. the TMA prefill where ``T / S`` averages at least 32 query tokens).
@@ -32,13 +32,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlt_compile.graphs import capture_graph, copy_grouped, normalize_buckets
+from rlt_compile.graphs import StaticStepRunner, capture_graph, copy_grouped, normalize_buckets
 from rlt_compile.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger("rlt_compile.prefill_graphs")
 
 
-class PrefillGraphRunner:
+class PrefillGraphRunner(StaticStepRunner):
     def __init__(
         self,
         step_fn: Callable,
@@ -52,42 +52,14 @@ class PrefillGraphRunner:
         warmup_runs: int = 2,
         pool=None,
     ):
-        if not kv_caches:
-            raise ValueError("kv_caches is empty")
-        self.step_fn = step_fn
-        self.kv_caches = kv_caches
-        self.device = kv_caches[0].device
-        self.max_blocks_per_seq = int(max_blocks_per_seq)
+        super().__init__(step_fn, kv_caches, max_blocks_per_seq, step_options, use_graphs, warmup_runs)
         self.token_buckets = normalize_buckets(token_buckets, 1)
         top_seqs = min(self.token_buckets[-1], max_num_seqs or self.token_buckets[-1])
         self.seq_buckets = normalize_buckets(seq_buckets, top_seqs)
-        self.step_options = dict(step_options or {})
-        self.step_options.pop("return_details", None)
-        if use_graphs is None:
-            use_graphs = self.device.type == "cuda"
-        if use_graphs and self.device.type != "cuda":
-            raise RuntimeError(f"CUDA/HIP graphs need the KV cache on a GPU, it is on {self.device}")
-        self.use_graphs = use_graphs
-        self.warmup_runs = warmup_runs
-        T, S, dev = self.token_buckets[-1], self.seq_buckets[-1], self.device
-        self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(T, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros((S, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(S, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.zeros(S + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.zeros(S, dtype=torch.long, device=dev)
-        # constant sources of the padding values, sliced per batch (``_padding_pairs``)
-        self._zeros = torch.zeros(T, dtype=torch.long, device=dev)
-        self._no_slots = torch.full((T,), -1, dtype=torch.long, device=dev)
-        self._zero_tables = torch.zeros((S, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self._token_counts = torch.arange(T + 1, dtype=torch.int32, device=dev)[:, None].expand(T + 1, S).contiguous()
+        self._allocate(self.token_buckets[-1], self.seq_buckets[-1])
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = pool
-        self.captured = False
-        self.capture_seconds = 0.0
-        self.replays = 0
 
     # -- buckets ---------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int]]:
@@ -113,13 +85,7 @@ class PrefillGraphRunner:
 
     def static_inputs(self, tokens: int, seqs: int):
         """The graph's views of the static buffers: (input_ids, positions, attn, logits_indices)."""
-        attn = AttentionMetadata(
-            self.slot_mapping[:tokens],
-            self.block_tables[:seqs],
-            self.seq_lens[:seqs],
-            self.query_start_loc[: seqs + 1],
-        )
-        return self.input_ids[:tokens], self.positions[:tokens], attn, self.logits_indices[:seqs]
+        return self._views(tokens, seqs)
 
     # -- buffers ---------------------------------------------------------------------------
     def fill(self, shape: tuple[int, int], input_ids, positions, attn: AttentionMetadata, logits_indices) -> None:
@@ -130,35 +96,8 @@ class PrefillGraphRunner:
             raise ValueError(f"{t} input ids but {positions.shape[0]} positions, {attn.slot_mapping.shape[0]} slots")
         if t > tokens or s > seqs or rows > seqs:
             raise ValueError(f"{t} tokens, {s} sequences, {rows} logits rows do not fit {shape}")
-        width = attn.block_tables.shape[1]
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"block tables are {width} wide, more than max_blocks_per_seq={self.max_blocks_per_seq}")
-        pairs = [
-            (self.input_ids[:t], input_ids),
-            (self.positions[:t], positions),
-            (self.slot_mapping[:t], attn.slot_mapping),
-            (self.seq_lens[:s], attn.seq_lens),
-            (self.query_start_loc[: s + 1], attn.query_start_loc),
-            (self.block_tables[:s, :width], attn.block_tables),
-            (self.block_tables[:s, width:], self._zero_tables[:s, width:]),
-            (self.logits_indices[:rows], logits_indices),
-        ]
-        copy_grouped(pairs + self._padding_pairs(shape, t, s, rows))
-
-    def _padding_pairs(self, shape: tuple[int, int], t: int, s: int, rows: int) -> list:
-        """(buffer, value) pairs padding ``t`` tokens of ``s`` sequences (``rows`` logits rows) to
-        ``shape``; the values are slices of constant tensors made once."""
-        tokens, seqs = shape
-        return [
-            (self.input_ids[t:tokens], self._zeros[t:tokens]),
-            (self.positions[t:tokens], self._zeros[t:tokens]),
-            (self.slot_mapping[t:tokens], self._no_slots[t:tokens]),
-            (self.seq_lens[s:seqs], self._token_counts[0, : seqs - s]),
-            (self.block_tables[s:seqs], self._zero_tables[s:seqs]),
-            # query length 0 for padding sequences: their start offsets all equal the real token count
-            (self.query_start_loc[s + 1 : seqs + 1], self._token_counts[t, : seqs - s]),
-            (self.logits_indices[rows:seqs], self._zeros[: seqs - rows]),
-        ]
+        pairs = self._batch_pairs(input_ids, positions, attn, logits_indices, rows)
+        copy_grouped(pairs + self._padding_pairs(t, tokens, s, seqs, rows))
 
     def _run_step(self, shape: tuple[int, int]) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(*shape)
@@ -172,7 +111,7 @@ class PrefillGraphRunner:
         t0 = time.perf_counter()
         for shape in sorted(self.shapes(), reverse=True):
             self.query_start_loc[0] = 0
-            copy_grouped(self._padding_pairs(shape, 0, 0, 0))  # an all-padding batch: no KV reads or writes
+            copy_grouped(self._padding_pairs(0, shape[0], 0, shape[1], 0))  # all padding: no KV reads or writes
             if not self.use_graphs:
                 self.outputs[shape] = self._run_step(shape)
                 continue

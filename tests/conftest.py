@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlt_compile.tiny import write_tiny_checkpoint
+from rlt_compile.models.registry import build_model
+from rlt_compile.tiny import random_state_dict, tiny_config, write_tiny_checkpoint
 
 FAMILIES = ["ouro", "nanbeige", "huginn"]
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -31,3 +32,12 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 def family_options(family: str) -> dict:
     """Deterministic forward options: Huginn's initial state is random unless init_scale=0."""
     return {"init_scale": 0.0} if family == "huginn" else {}
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    """A tiny model of ``family`` with random weights (``seed``), in eval mode without gradients."""
+    raw = tiny_config(family, **overrides)
+    model = build_model(raw)
+    model.load_state_dict(random_state_dict(raw, seed=seed), strict=False)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch._dynamo.utils import counters
 
 from rlt_compile.compiler import compile_model
 from rlt_compile.kernels.metadata import build_metadata
-from rlt_compile.models.registry import build_model
-from rlt_compile.tiny import random_state_dict, tiny_config
 
 BLOCK = 16
 
 
 def tiny(family: str):
-    raw = tiny_config(family)
-    model = build_model(raw)
-    model.load_state_dict(random_state_dict(raw, seed=2), strict=False)
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
+    return tiny_model(family, seed=2)
 
 
 def step(cm, planes, qlens, ctx, **opts):

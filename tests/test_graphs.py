@@ -10,13 +10,12 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from rlt_compile.compiler import compile_model
 from rlt_compile.graphs import CudaGraphRunner, default_buckets, normalize_buckets, padded_decode_metadata, pick_bucket
 from rlt_compile.kernels.attention_config import current_decode_context_limit
 from rlt_compile.kernels.metadata import build_metadata
-from rlt_compile.models.registry import build_model
-from rlt_compile.tiny import random_state_dict, tiny_config
 
 BLOCK = 16
 
@@ -57,11 +56,7 @@ def test_padded_decode_metadata():
 
 
 def tiny(family: str):
-    raw = tiny_config(family)
-    model = build_model(raw)
-    model.load_state_dict(random_state_dict(raw, seed=5), strict=False)
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
+    return tiny_model(family, seed=5)
 
 
 def prefill(model, planes, prompts, tables, opts):

@@ -10,23 +10,17 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES, family_options
+from conftest import FAMILIES, family_options, tiny_model
 
 from rlt_compile.engine import EngineConfig, LLMEngine, SamplingParams
 from rlt_compile.kernels.metadata import build_metadata
-from rlt_compile.models.registry import build_model
 from rlt_compile.prefill_graphs import PrefillGraphRunner
-from rlt_compile.tiny import random_state_dict, tiny_config
 
 BLOCK = 16
 
 
 def tiny(family: str):
-    raw = tiny_config(family)
-    model = build_model(raw)
-    model.load_state_dict(random_state_dict(raw, seed=3), strict=False)
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
+    return tiny_model(family, seed=3)
 
 
 def runner_for(model, planes, **kw) -> PrefillGraphRunner:
@@ -118,7 +112,7 @@ def test_fill_overwrites_a_larger_batch_and_falls_back_beyond_the_buckets():
     assert runner.slot_mapping[6:].eq(-1).all() and runner.input_ids[6:].eq(0).all()
     assert runner.block_tables.tolist() == [[9] + [0] * 5, [0] * 6, [3] + [0] * 5, [0] * 6]
     assert runner.seq_lens.tolist() == [8, 1, 3, 0]  # the stale fourth sequence is padding now
-    assert runner.query_start_loc.tolist() == [0, 4, 5, 6, 6] and runner.logits_indices.tolist() == [3, 4, 0, 0]
+    assert runner.query_start_loc.tolist() == [0, 4, 5, 6, 6] and runner.logits_indices.tolist() == [3, 4, 2, 3]
     runner(torch.ones(33, dtype=torch.long), torch.arange(33), build_metadata([33], [0], [[0, 1, 2]], BLOCK),
            torch.tensor([32]))  # fmt: skip
     assert calls[-1] == (33, 1) and runner.replays == 2  # no bucket: the step itself
