@@ -42,7 +42,10 @@ Options (keyword arguments of ``compile_model``):
     dump_dir           write FX graphs before/after passes, pass logs and Inductor code there, and a
                        depyf dump of Dynamo's bytecode (see docs/inspecting.md)
     cuda_graphs        True: decode-only calls replay CUDA/HIP graphs (captured at the first such call
-                       per KV cache; see ``graph_max_num_seqs``, ``graph_buckets``)
+                       per KV cache; see ``graph_max_num_seqs``, ``graph_buckets``), and with
+                       ``graph_prefill_tokens`` (token buckets) other calls replay prefill / mixed-batch
+                       graphs (``prefill_graphs.PrefillGraphRunner``, sequence buckets up to
+                       ``graph_max_num_seqs``)
 """
 
 from __future__ import annotations
@@ -368,25 +371,59 @@ class CompiledModel:
         runner.capture()
         return runner
 
+    def capture_prefill_graphs(
+        self,
+        kv_caches: list[torch.Tensor],
+        max_blocks_per_seq: int,
+        token_buckets: list[int],
+        seq_buckets: list[int] | None = None,
+        max_num_seqs: int | None = None,
+        **step_options,
+    ):
+        """A captured ``prefill_graphs.PrefillGraphRunner`` for prefill / mixed batches over ``kv_caches``."""
+        from rlt_compile.prefill_graphs import PrefillGraphRunner
+
+        if not self.platform.supports_graphs:
+            raise RuntimeError(f"CUDA/HIP graphs need a GPU platform; this one is {self.platform.kind}")
+        runner = PrefillGraphRunner(
+            self.run_compiled,
+            kv_caches,
+            max_blocks_per_seq,
+            token_buckets,
+            seq_buckets=seq_buckets,
+            max_num_seqs=max_num_seqs,
+            step_options=step_options,
+        )
+        return runner.capture()
+
     def _graph_runner_for(self, args, kwargs):
         if not self.platform.supports_graphs:
             return None
         input_ids, positions, kv_caches, attn, logits_indices = _forward_args(args, kwargs)
-        if attn is None or logits_indices is None or input_ids.shape[0] != attn.num_seqs:
+        if attn is None or logits_indices is None:
+            return None
+        decode = input_ids.shape[0] == attn.num_seqs
+        if not decode and not self.options.get("graph_prefill_tokens"):
             return None
         step_options = {k: v for k, v in kwargs.items() if k not in _FORWARD_ARG_NAMES}
-        if step_options.get("return_details"):
+        if step_options.get("return_details") or any(isinstance(v, torch.Tensor) for v in step_options.values()):
             return None
-        key = (id(kv_caches[0]), len(kv_caches), tuple(sorted(step_options.items())))
+        key = (decode, id(kv_caches[0]), len(kv_caches), tuple(sorted(step_options.items())))
         runner = self.graph_runners.get(key)
         if runner is None:
             max_seqs = int(self.options.get("graph_max_num_seqs") or 8)
             width = int(self.options.get("graph_max_blocks_per_seq") or kv_caches[0].shape[1])
-            runner = self.capture_graphs(
-                kv_caches, max_seqs, width, buckets=self.options.get("graph_buckets"), **step_options
-            )
+            if decode:
+                runner = self.capture_graphs(
+                    kv_caches, max_seqs, width, buckets=self.options.get("graph_buckets"), **step_options
+                )
+            else:
+                tokens = self.options["graph_prefill_tokens"]
+                runner = self.capture_prefill_graphs(kv_caches, width, tokens, max_num_seqs=max_seqs, **step_options)
             self.graph_runners[key] = runner
-        return runner if runner.can_run(input_ids.shape[0], attn.num_seqs) else None
+        if decode:
+            return runner if runner.can_run(input_ids.shape[0], attn.num_seqs) else None
+        return runner if runner.can_run(input_ids.shape[0], attn.num_seqs, logits_indices.shape[0]) else None
 
 
 _FORWARD_ARG_NAMES = ("input_ids", "positions", "kv_caches", "attn", "logits_indices")
@@ -414,6 +451,7 @@ _KNOWN_OPTIONS = {
     "graph_max_num_seqs",
     "graph_max_blocks_per_seq",
     "graph_buckets",
+    "graph_prefill_tokens",
 }
 
 

@@ -245,3 +245,23 @@ def test_prefill_graphs_equal_the_compiled_step_bf16(tiny_dirs, family):
     for p, r in zip(planes, ref_planes):
         torch.testing.assert_close(p.float(), r.float(), **BF16_TOL)
     assert runner.replays == 3
+
+
+def test_compile_model_replays_prefill_graphs_when_asked(tiny_dirs):
+    """``compile_model(cuda_graphs=True, graph_prefill_tokens=[...])``: a prefill call captures and
+    replays a prefill graph (equal to eager), decode calls the decode graphs, each once per KV cache."""
+    model, ref = load(tiny_dirs, "ouro", torch.bfloat16), load(tiny_dirs, "ouro", torch.bfloat16)
+    cm = compile_model(model, platform="cuda", cuda_graphs=True, graph_max_num_seqs=2, graph_prefill_tokens=[64])
+    planes, ref_planes = model.allocate_kv_cache(8, BLOCK), ref.allocate_kv_cache(8, BLOCK)
+    prompts, tables = prompts_and_tables(2, seed=4)  # 3 + 10 tokens: the (64, 2) graph
+    got = run_prefill(cm, planes, prompts, tables, {})
+    want = run_prefill(ref, ref_planes, prompts, tables, {})
+    torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    ids, pos, meta, rows = decode_inputs([len(p) for p in prompts], tables, [1, 2])
+    got = cm(ids, pos, planes, meta, rows)
+    with torch.no_grad():
+        want = ref(ids, pos, ref_planes, meta, rows)
+    torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    runners = sorted(cm.graph_runners.values(), key=lambda r: type(r).__name__)
+    assert [type(r).__name__ for r in runners] == ["CudaGraphRunner", "PrefillGraphRunner"]
+    assert [r.replays for r in runners] == [1, 1]
