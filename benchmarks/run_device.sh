@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending69|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending70|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -721,6 +721,22 @@ if [[ $what == pending69 ]]; then
     echo "== serve_bench --compile $graphs"
     timeout 280 python3 benchmarks/serve_bench.py --compile $graphs --concurrency 1,16 --time-limit 30 \
       --out "$OUT/serve${graphs:+_prefill_graphs}.md" 2>&1 | grep -E "^\|" | tail -4
+  done
+fi
+if [[ $what == pending70 ]]; then
+  # session 21 (issue 4): one projection's GEMV tiles end to end (RLT_GEMV_CONFIG only_n / only_k, new).
+  # Sessions 13 and 14 found Ouro's o projection (2048 x 2048) 0.8-1.0% faster on the chain with 4 columns,
+  # 2048-long runs and 8 warps, under the 1% bar then; acc_2d and 16-key attention tiles came since.
+  # The chain's shape sweep first, then Ouro-1.4B end to end with the best o / down tiles, alternating (~6 min)
+  timeout 200 python3 benchmarks/gemv_chain_bench.py --shape-sweep --reps 20 --out "$OUT/shape_sweep.md" \
+    > "$OUT/shape_sweep.log" 2>&1
+  grep -E "^\| (gemv default|o |down )" "$OUT/shape_sweep.md" | head -14
+  o="only_n=2048,only_k=2048"; down="only_n=2048,only_k=5632"
+  for cfg in "" "$o,block_n=4,block_k=2048,warps=8" "$o,block_k=2048" "$down,block_n=4,warps=8" "" \
+      "$o,block_n=4,block_k=2048,warps=8"; do
+    echo "== RLT_GEMV_CONFIG=$cfg"
+    RLT_GEMV_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
 fi
 exit 0

@@ -30,7 +30,8 @@ Values are read when asked for (not at import), so tests can set them with ``mon
                              and A/B runs of whole models (``bench``) without code changes.
     RLT_GEMV_CONFIG          ``key=int,...`` (default empty). Defaults for the Triton decode GEMV's tiles and
                              options (``gemv.CONFIG_KEYS``, e.g. ``acc_2d=1``), under any config a caller
-                             passes; for A/B runs of whole models, as ``RLT_ATTENTION_CONFIG``.
+                             passes; for A/B runs of whole models, as ``RLT_ATTENTION_CONFIG``. ``only_n`` /
+                             ``only_k`` limit it to weights of that shape.
     TRITON_INTERPRET         Triton's own knob; ``1`` runs Triton kernels on the CPU interpreter, and adds
                              "triton" to the CPU platform's backend order.
 

@@ -89,9 +89,20 @@ def test_rlt_gemv_config_sets_the_defaults_under_a_callers_config(interpret, lau
     torch.testing.assert_close(gemv.linear_gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gemv.linear_gemv(x, w, {"acc_2d": False}), x @ w.T, rtol=1e-5, atol=1e-5)
     assert [(launch["ACC_2D"], launch["BLOCK_K"]) for launch in launches] == [(True, 16), (False, 16)]
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "only_n=8, only_k=40, block_k=32")  # one weight shape only
+    w2 = torch.randn(8, 24)
+    torch.testing.assert_close(gemv.linear_gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv.linear_gemv(x[:, :24], w2), x[:, :24] @ w2.T, rtol=1e-5, atol=1e-5)
+    assert [launch["BLOCK_K"] for launch in launches[2:]] == [
+        32,
+        gemv.gemv_config(1, 8, 24, w.dtype, x.device)["block_k"],
+    ]
     monkeypatch.setenv("RLT_GEMV_CONFIG", "acc2d=1")
     with pytest.raises(ValueError, match="unknown GEMV config keys"):
         gemv.linear_gemv(x, w)
+    monkeypatch.delenv("RLT_GEMV_CONFIG")
+    with pytest.raises(ValueError, match="unknown GEMV config keys"):
+        gemv.linear_gemv(x, w, {"only_n": 8})  # a caller's config names its own tiles
     monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d")
     with pytest.raises(ValueError, match="RLT_GEMV_CONFIG must be key=int"):
         gemv.linear_gemv(x, w)

@@ -70,6 +70,8 @@ OP_MAX_ROWS = 1
 _EARLY_ROPE = True
 # Keys of ``linear_gemv``'s ``config`` and of ``RLT_GEMV_CONFIG`` (``gemv_config`` gives the defaults).
 CONFIG_KEYS = frozenset({"block_n", "block_k", "warps", "stages", "prefetch", "dot", "acc_2d"})
+# ``RLT_GEMV_CONFIG`` only: apply it to the weights of this many rows / columns only (one shape's A/B).
+SHAPE_KEYS = frozenset({"only_n", "only_k"})
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -397,6 +399,21 @@ def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
     )
 
 
+def _overrides(n: int, k: int, config: dict | None) -> dict:
+    """``RLT_GEMV_CONFIG`` (where its ``only_n`` / ``only_k`` match the weight's ``[n, k]``) under
+    ``config``; unknown keys are a ValueError."""
+    env = envs.rlt_gemv_config()
+    unknown = (set(env) - CONFIG_KEYS - SHAPE_KEYS) | (set(config or {}) - CONFIG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown GEMV config keys {sorted(unknown)} (config or RLT_GEMV_CONFIG); valid: {sorted(CONFIG_KEYS)}"
+            f", and in RLT_GEMV_CONFIG {sorted(SHAPE_KEYS)}"
+        )
+    if env.get("only_n", n) != n or env.get("only_k", k) != k:
+        env = {}
+    return {**{key: v for key, v in env.items() if key not in SHAPE_KEYS}, **(config or {})}
+
+
 def linear_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -428,13 +445,7 @@ def linear_gemv(
     m = x2.shape[0]
     n, k = weight.shape
     cfg = gemv_config(m, n, k, weight.dtype, x.device, silu_mul)
-    overrides = {**envs.rlt_gemv_config(), **(config or {})}
-    unknown = set(overrides) - CONFIG_KEYS
-    if unknown:
-        raise ValueError(
-            f"unknown GEMV config keys {sorted(unknown)} (config or RLT_GEMV_CONFIG); valid: {sorted(CONFIG_KEYS)}"
-        )
-    cfg.update(overrides)
+    cfg.update(_overrides(n, k, config))
     use_dot = bool(cfg["dot"])
     if m > 1 and not use_dot:
         raise ValueError(f"linear_gemv: {m} rows need the tl.dot tile (config dot=True); only one row runs without it")
