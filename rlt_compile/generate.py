@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[rlt_compile] device={llm.engine.device} prompt_tokens={len(out.prompt_token_ids)} "
             f"output_tokens={n} finish_reason={completion.finish_reason} load={load_s:.2f}s "
-            f"generate={seconds:.3f}s {n / max(seconds, 1e-9):.1f} tok/s",
+            f"generate={seconds:.3f}s ttft={llm.last_first_token_seconds or 0.0:.3f}s {n / max(seconds, 1e-9):.1f} tok/s",
             file=sys.stderr,
         )
     return 0

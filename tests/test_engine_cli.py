@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ def test_generate_cli_prints_the_engine_text(tiny_dirs):
     expected = llm.generate("the capital of france is", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert proc.stdout.strip() == expected[0].outputs[0].text.strip()
     assert "tok/s" in proc.stderr and "output_tokens=" in proc.stderr
+    ttft, total = (float(re.search(rf"{key}=([0-9.]+)s", proc.stderr).group(1)) for key in ("ttft", "generate"))
+    assert 0 < ttft <= total
 
 
 def test_generate_cli_reports_bad_arguments(tiny_dirs):

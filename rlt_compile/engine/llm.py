@@ -60,6 +60,7 @@ class LLM:
         self.engine = LLMEngine(model, config, tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
         self.last_run_seconds = 0.0
+        self.last_first_token_seconds: float | None = None  # from the last run's start to its first output token
 
     def generate(
         self,
@@ -110,12 +111,16 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         start = time.perf_counter()
+        self.last_first_token_seconds = None
         generated = 0
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.request_id not in wanted:
                     continue
-                generated += sum(len(c.token_ids) for c in out.outputs)
+                new_tokens = sum(len(c.token_ids) for c in out.outputs)
+                if new_tokens and self.last_first_token_seconds is None:
+                    self.last_first_token_seconds = time.perf_counter() - start
+                generated += new_tokens
                 if out.request_id in results:
                     results[out.request_id].merge(out)
                 else:
