@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="16,128,512")
     p.add_argument("--mixed", type=int, default=15, help="decode rows in the mixed case (0: none)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--token-buckets", default=None, help="capture these token buckets (default: the cases' own)")
+    p.add_argument("--max-seqs", type=int, default=None, help="sequence buckets: powers of two up to this")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny config on the CPU")
     args = p.parse_args(argv)
@@ -91,19 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(max(lengths) + 200) // BLOCK_SIZE)
     planes = model.allocate_kv_cache(seqs * blocks_per_seq, BLOCK_SIZE, max_steps=options.get("num_steps"))
     cm = compile_model(model, platform=device.type)
-    token_buckets = sorted({next_pow2(sum(q for q, _ in parts)) for _, parts in all_cases})
-    seq_buckets = sorted({next_pow2(len(parts)) for _, parts in all_cases})
+    if args.token_buckets:
+        token_buckets, seq_buckets = [int(x) for x in args.token_buckets.split(",")], None
+    else:
+        token_buckets = sorted({next_pow2(sum(q for q, _ in parts)) for _, parts in all_cases})
+        seq_buckets = None if args.max_seqs else sorted({next_pow2(len(parts)) for _, parts in all_cases})
     runner = PrefillGraphRunner(cm.run_compiled, planes, blocks_per_seq, token_buckets, seq_buckets,
-                                step_options=options)  # fmt: skip
+                                max_num_seqs=args.max_seqs or seqs, step_options=options)  # fmt: skip
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _, parts in all_cases:  # compile every shape outside the timing (Triton, Inductor)
         ids, pos, meta, rows = batch(parts, model.vocab_size, blocks_per_seq, device)
         with torch.no_grad():
             cm(ids, pos, planes, meta, rows, **options)
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     runner.capture()
+    pool_mb = ((torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - reserved) / 2**20
     lines = [
         f"Prefill steps, {args.model} ({dtype}, {device}; {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}); "
-        f"graphs: tokens {runner.token_buckets} x sequences {runner.seq_buckets}, captured in {runner.capture_seconds:.2f} s",
+        f"graphs: tokens {runner.token_buckets} x sequences {runner.seq_buckets} ({len(runner.shapes())} shapes), "
+        f"captured in {runner.capture_seconds:.2f} s, {pool_mb:.0f} MiB more reserved",
         "",
         "| case | tokens | graph (tokens, seqs) | compiled step ms | graph replay ms | speedup | max abs diff |",
         "|---|---|---|---|---|---|---|",

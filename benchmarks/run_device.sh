@@ -713,6 +713,9 @@ if [[ $what == pending68 ]]; then
     timeout 150 python3 benchmarks/prefill_graph_bench.py --model $model --out "$OUT/prefill_graph_$model.md" 2>&1 \
       | grep -E "^(\||Prefill|error)"
   done
+  # what a serving set of buckets costs to capture (time, memory): tokens 16..2048 x sequences up to 256
+  timeout 200 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --token-buckets 16,32,64,128,256,512,1024,2048 \
+    --max-seqs 256 --reps 3 --out "$OUT/prefill_graph_all.md" 2>&1 | grep -E "^(Prefill|error)"
 fi
 if [[ $what == pending69 ]]; then
   # session 21 (issue 4): TTFT and ITL behind the OpenAI server, compiled + decode graphs, with and without
