@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending70|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending71|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -741,5 +741,15 @@ if [[ $what == pending70 ]]; then
     RLT_GEMV_CONFIG=$cfg timeout 60 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
+fi
+if [[ $what == pending71 ]]; then
+  # session 21 (issue 4 / the engine's self-speculation): draft passes replay decode graphs captured with
+  # the draft options, verify passes graphs with a logits row per token (before: both ran the compiled
+  # step unreplayed, host-bound). GPU tests, then the engine plain vs speculative at batch 1 and 4 (~5 min)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_speculative.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 330 python3 benchmarks/spec_bench.py --skip-spec --engine --tokens 128 --out "$OUT/spec_engine.md" 2>&1 \
+    | grep -E "^(engine|\|)"
 fi
 exit 0

@@ -14,6 +14,10 @@ with and without the token pipeline (``pipeline_draft_step=d``), on the random m
 almost never agree) and with forced agreement (the post-sublayer norm weights zeroed, so every loop
 step returns the same normalised state and every draft is right): ms per generated token and the
 accepted-draft fraction.
+Part 5 (``--engine``) runs the engine itself (compile + CUDA graphs; greedy, ``--tokens`` tokens
+after a ``--context``-token prompt, batch 1 and 4) plain and with self-speculation (``num_draft``
+drafts of ``draft_steps`` loop steps; draft and verify passes replay their own graphs), on the
+random model and with forced agreement: ms per generated token over the run, prefill included.
 Part 4 (``--async-pipeline``) decodes 256 tokens of one sequence with the asynchronous token
 pipeline (``rlt_compile.models.async_pipeline``: one CUDA graph per pass, decisions on the device)
 on the forced-agreement model (``force_agreement``), with a fraction of drafts corrupted on the
@@ -25,6 +29,7 @@ huginn-0125 (32 recurrences, zero initial state).
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -122,6 +127,35 @@ def pipeline_ms(model, context: int, tokens: int, draft_step: int | None) -> tup
     return ms, accepted
 
 
+def engine_ms(model, batch: int, context: int, tokens: int, num_draft: int, draft_steps: int):
+    """(ms per generated token, acceptance) of an engine run: ``batch`` greedy requests of ``context``
+    prompt tokens and ``tokens`` new ones each, after a short warm-up run on the same engine."""
+    from rlt_compile.engine import LLMEngine, SamplingParams
+
+    max_len = context + tokens + num_draft + 16
+    eng = LLMEngine(model, compile=True, use_cuda_graphs=True, max_num_seqs=max(batch, 4), max_model_len=max_len,
+                    num_blocks=max(batch, 4) * (-(-max_len // BLOCK)) + 8, enable_prefix_caching=False,
+                    speculative_num_draft=num_draft, speculative_draft_steps=draft_steps)  # fmt: skip
+    gen = torch.Generator().manual_seed(batch)
+
+    def run(engine, n: int) -> None:
+        for _ in range(batch):
+            prompt = torch.randint(0, model.vocab_size, (context,), generator=gen).tolist()
+            engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        engine.run_to_completion()
+
+    run(eng, 8)  # graph capture at first use, Triton autotuning
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run(eng, tokens)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1e3 / tokens
+    acceptance = eng.stats.spec_acceptance_rate if num_draft else None
+    del eng
+    torch.cuda.empty_cache()
+    return ms, acceptance
+
+
 def force_agreement(model) -> None:
     """Make every loop step (Huginn: recurrence) return the same state, so every 1-step draft is the
     full-depth token. Ouro: the post-sublayer norm weights zeroed (sublayer outputs vanish), unit
@@ -205,7 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pipeline", action="store_true", help="add part 3 (token pipeline, module doc)")
     parser.add_argument("--skip-spec", action="store_true", help="skip parts 1 and 2")
     parser.add_argument("--async-pipeline", action="store_true", help="add part 4 (module doc)")
-    parser.add_argument("--tokens", type=int, default=256, help="part 4: decoded tokens")
+    parser.add_argument("--engine", action="store_true", help="add part 5 (module doc)")
+    parser.add_argument("--tokens", type=int, default=256, help="parts 4 and 5: decoded tokens")
     parser.add_argument(
         "--pipeline-model",
         default="ouro-1.4b",
@@ -223,7 +258,7 @@ def main(argv=None) -> int:
     ]
     with torch.no_grad():
         # Ouro-1.4B for parts 1-3; part 4 builds its own model unless it is the same one
-        needs_ouro = not args.skip_spec or args.pipeline or args.pipeline_model == "ouro-1.4b"
+        needs_ouro = not args.skip_spec or args.pipeline or args.engine or args.pipeline_model == "ouro-1.4b"
         if needs_ouro:
             model = build_random_model(CONFIGS["ouro-1.4b"], torch.bfloat16, torch.device("cuda"))
             cm = compile_model(model, platform="cuda")
@@ -273,6 +308,26 @@ def main(argv=None) -> int:
                     ms, acc = pipeline_ms(model, args.context, 64, d)
                     print(f"pipeline {label} d={d}: {ms:.3f} ms/token (off {base:.3f}), accepted {acc:.2f}", flush=True)
                     lines.append(f"| {label} | d={d} | {ms:.3f} | {1e3 / ms:.0f} | {acc:.0%} | {base / ms:.2f}x |")
+        if args.engine:
+            lines += [
+                "",
+                f"The engine (compile + CUDA graphs), {args.context}-token prompts, {args.tokens} greedy tokens each; "
+                f"self-speculation K={k}, d={args.draft_steps}; ms per generated token over the run:",
+                "",
+                "| model | batch | plain ms/token | speculative ms/token | acceptance | speedup |",
+                "|---|---|---|---|---|---|",
+            ]
+            for forced in (False, True):
+                if forced:
+                    force_agreement(model)
+                for b in (1, 4):
+                    plain, _ = engine_ms(model, b, args.context, args.tokens, 0, args.draft_steps)
+                    spec, acc = engine_ms(model, b, args.context, args.tokens, k, args.draft_steps)
+                    label = "forced agreement" if forced else "random weights"
+                    print(
+                        f"engine {label} b{b}: plain {plain:.3f} spec {spec:.3f} ms/token, acceptance {acc}", flush=True
+                    )
+                    lines.append(f"| {label} | {b} | {plain:.3f} | {spec:.3f} | {acc:.2f} | {plain / spec:.2f}x |")
         if args.async_pipeline:
             name = args.pipeline_model
             if name != "ouro-1.4b":

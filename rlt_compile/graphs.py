@@ -187,7 +187,7 @@ class StaticStepRunner:
         self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.arange(seqs, dtype=torch.long, device=dev)
+        self.logits_indices = torch.arange(max(tokens, seqs), dtype=torch.long, device=dev)
         # constant sources of the padding values, sliced per batch (``_padding_pairs``)
         self._arange = torch.arange(max(tokens, seqs), dtype=torch.long, device=dev)
         self._zeros = torch.zeros(tokens, dtype=torch.long, device=dev)
@@ -199,15 +199,21 @@ class StaticStepRunner:
             torch.arange(tokens + 1, dtype=torch.int32, device=dev)[:, None].expand(-1, seqs).contiguous()
         )
 
-    def _views(self, tokens: int, seqs: int):
-        """The static buffers' views for ``tokens`` x ``seqs``: (input_ids, positions, attn, logits_indices)."""
+    def _views(self, tokens: int, seqs: int, rows: int | None = None):
+        """The static buffers' views for ``tokens`` x ``seqs`` and ``rows`` logits rows (default
+        ``seqs``): (input_ids, positions, attn, logits_indices)."""
         attn = AttentionMetadata(
             self.slot_mapping[:tokens],
             self.block_tables[:seqs],
             self.seq_lens[:seqs],
             self.query_start_loc[: seqs + 1],
         )
-        return self.input_ids[:tokens], self.positions[:tokens], attn, self.logits_indices[:seqs]
+        return (
+            self.input_ids[:tokens],
+            self.positions[:tokens],
+            attn,
+            self.logits_indices[: seqs if rows is None else rows],
+        )
 
     def _batch_pairs(self, input_ids, positions, attn: AttentionMetadata, logits_indices, rows: int) -> list:
         """(buffer, value) pairs copying a batch of ``input_ids.shape[0]`` tokens, ``attn.num_seqs``
@@ -226,11 +232,12 @@ class StaticStepRunner:
             (self.logits_indices[:rows], self._arange[:rows] if logits_indices is None else logits_indices),
         ]
 
-    def _padding_pairs(self, t: int, tokens: int, s: int, seqs: int, rows: int) -> list:
+    def _padding_pairs(self, t: int, tokens: int, s: int, seqs: int, rows: int, row_count: int | None = None) -> list:
         """(buffer, value) pairs padding ``t`` tokens of ``s`` sequences to ``tokens`` x ``seqs``:
         padding tokens are token 0 at position 0 with slot -1, padding sequences have query length 0
         (their start offsets all equal ``t``), ``seq_len`` 0 and a zero block table, and logits rows
-        from ``rows`` on point at themselves."""
+        ``rows .. row_count - 1`` (default ``seqs``) point at themselves."""
+        row_count = seqs if row_count is None else row_count
         return [
             (self.input_ids[t:tokens], self._zeros[t:tokens]),
             (self.positions[t:tokens], self._zeros[t:tokens]),
@@ -238,7 +245,7 @@ class StaticStepRunner:
             (self.seq_lens[s:seqs], self._zeros32[s:seqs]),
             (self.block_tables[s:seqs], self._zero_tables[s:seqs]),
             (self.query_start_loc[s + 1 : seqs + 1], self._token_counts[t, : seqs - s]),
-            (self.logits_indices[rows:seqs], self._arange[rows:seqs]),
+            (self.logits_indices[rows:row_count], self._arange[rows:row_count]),
         ]
 
 

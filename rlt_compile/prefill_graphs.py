@@ -9,7 +9,9 @@ prompts, chunks and decode rows, so such a step costs one replay:
 
 * Buckets: a batch of ``t`` tokens from ``s`` sequences replays the graph of the smallest token
   bucket ``T >= t`` and, among the sequence buckets ``S <= T`` captured with it, the smallest
-  ``S >= s``. Batches beyond every bucket, or with more logits rows than ``S``, call ``step_fn``.
+  ``S >= s``. A graph computes ``S`` logits rows, or ``T`` with ``logits_rows="tokens"`` (a logits
+  row per token: self-speculation's verify passes). Batches beyond every bucket, or with more
+  logits rows than the graph computes, call ``step_fn``.
 * Padding: tokens ``t .. T-1`` are token 0 at position 0 with slot -1 (no KV write) and belong to no
   sequence (the attention kernels write zeros for them); sequences ``s .. S-1`` have query length 0
   and ``seq_len`` 0 (``query_start_loc`` stays at ``t``) and a zero block table; logits rows past the
@@ -51,8 +53,12 @@ class PrefillGraphRunner(StaticStepRunner):
         use_graphs: bool | None = None,
         warmup_runs: int = 2,
         pool=None,
+        logits_rows: str = "seqs",
     ):
         super().__init__(step_fn, kv_caches, max_blocks_per_seq, step_options, use_graphs, warmup_runs)
+        if logits_rows not in ("seqs", "tokens"):
+            raise ValueError(f"logits_rows must be 'seqs' or 'tokens', got {logits_rows!r}")
+        self.logits_rows = logits_rows
         self.token_buckets = normalize_buckets(token_buckets, 1)
         top_seqs = min(self.token_buckets[-1], max_num_seqs or self.token_buckets[-1])
         self.seq_buckets = normalize_buckets(seq_buckets, top_seqs)
@@ -76,7 +82,7 @@ class PrefillGraphRunner(StaticStepRunner):
             for s in self.seq_buckets:
                 if s > t:
                     break
-                if s >= num_seqs and s >= rows:
+                if s >= num_seqs and (s >= rows or self.logits_rows == "tokens"):
                     return t, s
         return None
 
@@ -85,7 +91,11 @@ class PrefillGraphRunner(StaticStepRunner):
 
     def static_inputs(self, tokens: int, seqs: int):
         """The graph's views of the static buffers: (input_ids, positions, attn, logits_indices)."""
-        return self._views(tokens, seqs)
+        return self._views(tokens, seqs, self._row_count((tokens, seqs)))
+
+    def _row_count(self, shape: tuple[int, int]) -> int:
+        """Logits rows a graph computes: one per sequence, or one per token (``logits_rows``)."""
+        return shape[1] if self.logits_rows == "seqs" else shape[0]
 
     # -- buffers ---------------------------------------------------------------------------
     def fill(self, shape: tuple[int, int], input_ids, positions, attn: AttentionMetadata, logits_indices) -> None:
@@ -94,10 +104,11 @@ class PrefillGraphRunner(StaticStepRunner):
         t, s, rows = input_ids.shape[0], attn.num_seqs, logits_indices.shape[0]
         if attn.slot_mapping.shape[0] != t or positions.shape[0] != t:
             raise ValueError(f"{t} input ids but {positions.shape[0]} positions, {attn.slot_mapping.shape[0]} slots")
-        if t > tokens or s > seqs or rows > seqs:
+        row_count = self._row_count(shape)
+        if t > tokens or s > seqs or rows > row_count:
             raise ValueError(f"{t} tokens, {s} sequences, {rows} logits rows do not fit {shape}")
         pairs = self._batch_pairs(input_ids, positions, attn, logits_indices, rows)
-        copy_grouped(pairs + self._padding_pairs(t, tokens, s, seqs, rows))
+        copy_grouped(pairs + self._padding_pairs(t, tokens, s, seqs, rows, row_count))
 
     def _run_step(self, shape: tuple[int, int]) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(*shape)
@@ -111,7 +122,8 @@ class PrefillGraphRunner(StaticStepRunner):
         t0 = time.perf_counter()
         for shape in sorted(self.shapes(), reverse=True):
             self.query_start_loc[0] = 0
-            copy_grouped(self._padding_pairs(0, shape[0], 0, shape[1], 0))  # all padding: no KV reads or writes
+            # an all-padding batch: no KV reads or writes
+            copy_grouped(self._padding_pairs(0, shape[0], 0, shape[1], 0, self._row_count(shape)))
             if not self.use_graphs:
                 self.outputs[shape] = self._run_step(shape)
                 continue

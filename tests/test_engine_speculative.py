@@ -88,6 +88,26 @@ def test_forced_agreement_accepts_every_draft_in_fewer_steps(forced):
     assert eng.stats.steps == 4 and plain.stats.steps == 16
 
 
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_draft_passes_replay_graphs_captured_with_their_options(models, family):
+    """With ``use_cuda_graphs`` (static buffers on the CPU) the draft passes run a second set of
+    decode graphs captured at their first use with the draft options, and the verify passes graphs
+    with a logits row per token (up to 8 sequences: 32 tokens); the tokens are plain decoding's."""
+    model = models[family]
+    prompts = mixed_prompts(6, seed=5)
+    want = tokens(run(engine(model, family), prompts))
+    eng = engine(model, family, speculative_num_draft=3, speculative_draft_steps=1, use_cuda_graphs=True,
+                 max_num_seqs=8)  # fmt: skip
+    verify = eng.runner.verify_graph_runner
+    assert verify.token_buckets == [2, 4, 8, 16, 32] and verify.seq_buckets == [1, 2, 4, 8]
+    assert tokens(run(eng, prompts)) == want
+    (drafts,) = eng.runner._option_graph_runners.values()
+    assert drafts.step_options == {**family_options(family), **eng.draft_options}
+    # one to three draft passes per speculative step (fewer near max_tokens), none run without the graphs
+    assert 0 < eng.stats.spec_steps <= drafts.replays <= 3 * eng.stats.spec_steps and drafts.fallbacks == 0
+    assert verify.replays == eng.stats.spec_steps  # every verify pass
+
+
 def test_forced_agreement_huginn_draft_as_deep_as_target(models):
     """Huginn run at 3 recurrences with 3-recurrence drafts: draft and target are the same model."""
     opts = {"init_scale": 0.0, "num_steps": 3}
@@ -263,8 +283,8 @@ def test_default_is_off_and_metrics_report_acceptance(forced):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_compiled_graphs_speculation_equals_plain(tiny_dirs):
-    """On the GPU with compile + CUDA graphs (plain decode replays graphs, draft/verify run the
-    compiled step): forced agreement in fp32 gives identical tokens and accepts every draft."""
+    """On the GPU with compile + CUDA graphs (plain decode, draft and verify passes all replay graphs):
+    forced agreement in fp32 gives identical tokens and accepts every draft."""
     model = load_model(tiny_dirs["ouro"], dtype=torch.float32, device="cuda")
     with torch.no_grad():
         for layer in model.model.layers:
@@ -277,6 +297,8 @@ def test_gpu_compiled_graphs_speculation_equals_plain(tiny_dirs):
     eng = LLMEngine(model, speculative_num_draft=4, speculative_draft_steps=2, **kw)
     assert tokens(run(eng, prompts)) == want
     assert eng.stats.spec_acceptance_rate == 1.0
+    (drafts,) = eng.runner._option_graph_runners.values()
+    assert drafts.replays > 0 and eng.runner.verify_graph_runner.replays > 0
 
 
 @pytest.mark.gpu

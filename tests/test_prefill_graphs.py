@@ -94,6 +94,27 @@ def test_padding_never_changes_real_rows(family, seqs):
     assert runner.slot_mapping[24:64].eq(-1).all() and runner.query_start_loc[4:].eq(24).all()
 
 
+def test_a_logits_row_per_token():
+    """``logits_rows="tokens"`` (self-speculation's verify passes): the graph computes a row per token
+    bucket entry, so a batch may ask more rows than it has sequences; each equals the unpadded step's."""
+    model = tiny("ouro")
+    planes = model.allocate_kv_cache(12, BLOCK)
+    input_ids, positions, meta, _ = mixed_batch(model, planes, seed=2)
+    rows = torch.arange(24)
+    runner = runner_for(model, planes, seq_buckets=[4], logits_rows="tokens").capture()
+    assert runner.bucket_for(24, 4, rows=24) == (64, 4)
+    assert runner_for(model, planes, seq_buckets=[4]).bucket_for(24, 4, rows=24) is None  # a row per sequence
+    ref_planes = [p.clone() for p in planes]
+    got = runner(input_ids, positions, meta, rows)
+    with torch.no_grad():
+        want = model(input_ids, positions, ref_planes, copy.deepcopy(meta), rows)
+    assert got.shape == (24, model.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert runner.logits_indices[24:64].tolist() == list(range(24, 64))
+    with pytest.raises(ValueError, match="logits_rows"):
+        runner_for(model, planes, logits_rows="all")
+
+
 def test_fill_overwrites_a_larger_batch_and_falls_back_beyond_the_buckets():
     calls = []
 
@@ -112,7 +133,7 @@ def test_fill_overwrites_a_larger_batch_and_falls_back_beyond_the_buckets():
     assert runner.slot_mapping[6:].eq(-1).all() and runner.input_ids[6:].eq(0).all()
     assert runner.block_tables.tolist() == [[9] + [0] * 5, [0] * 6, [3] + [0] * 5, [0] * 6]
     assert runner.seq_lens.tolist() == [8, 1, 3, 0]  # the stale fourth sequence is padding now
-    assert runner.query_start_loc.tolist() == [0, 4, 5, 6, 6] and runner.logits_indices.tolist() == [3, 4, 2, 3]
+    assert runner.query_start_loc.tolist() == [0, 4, 5, 6, 6] and runner.logits_indices[:4].tolist() == [3, 4, 2, 3]
     runner(torch.ones(33, dtype=torch.long), torch.arange(33), build_metadata([33], [0], [[0, 1, 2]], BLOCK),
            torch.tensor([32]))  # fmt: skip
     assert calls[-1] == (33, 1) and runner.replays == 2  # no bucket: the step itself

@@ -27,6 +27,10 @@ from rlt_compile.models.base import LoopedLM
 
 log = logging.getLogger(__name__)
 
+# Self-speculation's verify passes replay graphs for batches of up to this many sequences (each graph
+# keeps a [tokens, vocab] fp32 output: at 8 sequences of K + 1 = 5 tokens, 64 rows).
+VERIFY_GRAPH_SEQS = 8
+
 
 def _optional(module: str, name: str):
     """``module.name`` if the module exists, else None (other parts of the package are optional)."""
@@ -139,8 +143,12 @@ class ModelRunner:
         use_graphs = config.use_cuda_graphs and not config.depth_batching
         self.graph_runner = self._build_graph_runner() if use_graphs else None
         self._row_graph_runner = None  # Ouro's per-request exits; captured at first use
+        self._option_graph_runners: dict[str, object] = {}  # other static options (drafts); at first use
         prefill_graphs = config.use_cuda_graphs and bool(config.cuda_graph_prefill_tokens)
         self.prefill_graph_runner = self._build_prefill_graph_runner() if prefill_graphs else None
+        # self-speculation's verify passes (a logits row per token), for up to VERIFY_GRAPH_SEQS sequences
+        verify_graphs = config.use_cuda_graphs and config.speculative_num_draft > 0 and not config.depth_batching
+        self.verify_graph_runner = self._build_verify_graph_runner() if verify_graphs else None
 
     def _build_step_fn(self):
         if not self.config.compile:
@@ -151,7 +159,9 @@ class ModelRunner:
             return self.model
         return compile_model(self.model, **self.config.compile_options)
 
-    def _build_graph_runner(self, row_options: dict | None = None):
+    def _build_graph_runner(self, row_options: dict | None = None, step_options: dict | None = None, pool=None):
+        """Decode graphs over the engine's KV planes, captured with ``step_options`` (default: the
+        engine-wide options but ``row_options``' names) into ``pool`` (default: a new one)."""
         runner_cls = _optional("rlt_compile.graphs", "CudaGraphRunner")
         if runner_cls is None:
             log.warning("use_cuda_graphs=True but rlt_compile.graphs.CudaGraphRunner is not available")
@@ -170,15 +180,33 @@ class ModelRunner:
             -(-self.max_model_len // self.block_size),
             buckets=self.config.cuda_graph_buckets,
             context_buckets=self.config.cuda_graph_context_buckets,
-            step_options={k: v for k, v in self.model_options.items() if k not in (row_options or {})},
+            step_options=step_options
+            if step_options is not None
+            else {k: v for k, v in self.model_options.items() if k not in (row_options or {})},
             row_options=row_options,
         )
+        runner.pool = pool
         runner.capture()
         return runner
 
-    def _build_prefill_graph_runner(self):
-        """Graphs for prefill and mixed batches (``cuda_graph_prefill_tokens``), captured with the
-        options every prompt token runs with: the engine-wide ones without ``kv_layout``."""
+    def option_graph_runner(self, options: dict):
+        """Decode graphs captured with ``options`` (self-speculation's draft passes: the engine-wide
+        options with fewer loop steps), the first time a decode batch runs with them, into the
+        decode graphs' pool; None without decode graphs or with tensor-valued options."""
+        if self.graph_runner is None or any(isinstance(v, torch.Tensor) for v in options.values()):
+            return None
+        key = repr(sorted(options.items()))
+        if key not in self._option_graph_runners:
+            log.info("capturing the decode graphs for forward options %s", options)
+            self._option_graph_runners[key] = self._build_graph_runner(
+                step_options=options, pool=self.graph_runner.pool
+            )
+        return self._option_graph_runners[key]
+
+    def _build_prefill_graph_runner(self, token_buckets=None, seq_buckets=None, logits_rows: str = "seqs"):
+        """Graphs for prefill and mixed batches (default: ``cuda_graph_prefill_tokens`` /
+        ``_seqs``), captured with the options every prompt token runs with: the engine-wide ones
+        without ``kv_layout``."""
         runner_cls = _optional("rlt_compile.prefill_graphs", "PrefillGraphRunner")
         if runner_cls is None or (self.device.type == "cuda" and self.step_fn is self.model):
             log.warning("prefill graphs need compile=True and rlt_compile.prefill_graphs; none captured")
@@ -187,24 +215,37 @@ class ModelRunner:
             self.step_fn,
             self.kv_caches,
             -(-self.max_model_len // self.block_size),
-            self.config.cuda_graph_prefill_tokens,
-            seq_buckets=self.config.cuda_graph_prefill_seqs,
+            token_buckets or self.config.cuda_graph_prefill_tokens,
+            seq_buckets=seq_buckets if token_buckets else self.config.cuda_graph_prefill_seqs,
             max_num_seqs=self.config.max_num_seqs,
             step_options={k: v for k, v in self.model_options.items() if k != "kv_layout"},
             pool=self.graph_runner.pool if self.graph_runner is not None else None,
+            logits_rows=logits_rows,
         )
         runner.capture()
         return runner
 
-    def prefill_graph_serves(self, batch: ScheduledBatch, inputs: StepInputs, options: dict) -> bool:
-        """Whether the prefill graphs run this batch: its options are the ones they were captured with
-        (no per-request tensors), no prompt logprob rows, and a captured shape holds it."""
-        runner = self.prefill_graph_runner
+    def _build_verify_graph_runner(self):
+        """Graphs for self-speculation's verify passes: up to ``VERIFY_GRAPH_SEQS`` sequences, each
+        with its last token and up to ``speculative_num_draft`` drafts, a logits row per token (the
+        token buckets: powers of two up to that many tokens)."""
+        seqs = min(self.config.max_num_seqs, VERIFY_GRAPH_SEQS)
+        most = seqs * (self.config.speculative_num_draft + 1)
+        tokens = [1 << i for i in range(1, most.bit_length() + (most & (most - 1) != 0))]
+        seq_buckets = [b for b in (1, 2, 4, 8, 16) if b < seqs] + [seqs]
+        return self._build_prefill_graph_runner(tokens, seq_buckets, logits_rows="tokens")
+
+    def prefill_graph_for(self, batch: ScheduledBatch, inputs: StepInputs, options: dict):
+        """The prefill graphs (or, for a logits row per token, the verify graphs) that run this
+        batch: its options are the ones they were captured with (no per-request tensors), no prompt
+        logprob rows, and a captured shape holds it; else None."""
+        rows = inputs.logits_indices.shape[0]
+        runner = self.verify_graph_runner if rows > len(batch) else self.prefill_graph_runner
         if runner is None or inputs.prompt_rows or any(isinstance(v, torch.Tensor) for v in options.values()):
-            return False
-        if options != runner.step_options:
-            return False
-        return runner.can_run(batch.total_tokens, len(batch), inputs.logits_indices.shape[0])
+            return None
+        if options != runner.step_options or not runner.can_run(batch.total_tokens, len(batch), rows):
+            return None
+        return runner
 
     def row_graph_runner(self, options: dict):
         """The graphs for decode batches whose only non-engine-wide options are Ouro's per-row exit
@@ -346,22 +387,26 @@ class ModelRunner:
         """Run prepared device inputs (``prepare`` or the async engine's input buffers).
 
         ``extra_options`` override the forward options (self-speculation's draft passes); such a
-        batch never replays the graphs captured with the engine-wide options. The logits have a row
-        per ``inputs.row_seqs``: the prompt rows, if any, follow the sampled ones."""
+        decode batch replays graphs captured with its own options (``option_graph_runner``), never
+        the engine-wide ones. The logits have a row per ``inputs.row_seqs``: the prompt rows, if any,
+        follow the sampled ones."""
         n = len(batch)
         options, engine_wide = self.step_options(batch, inputs)
         if extra_options:
             options.update(extra_options)
             engine_wide = False
-        decode = self.graph_runner is not None and batch.is_decode_only and not extra_options and not inputs.prompt_rows
-        row_runner = self.row_graph_runner(options) if decode and not engine_wide else None
+        decode = self.graph_runner is not None and batch.is_decode_only and not inputs.prompt_rows
+        row_runner = self.row_graph_runner(options) if decode and not engine_wide and not extra_options else None
+        option_runner = self.option_graph_runner(options) if decode and extra_options else None
         if decode and engine_wide and self.graph_runner.can_run(batch.total_tokens, n):
             logits = self.graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
         elif row_runner is not None and row_runner.can_run(batch.total_tokens, n):
             rows = {name: options[name] for name in OURO_ROW_OPTIONS}
             logits = row_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, rows)
-        elif not extra_options and self.prefill_graph_serves(batch, inputs, options):
-            logits = self.prefill_graph_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
+        elif option_runner is not None and option_runner.can_run(batch.total_tokens, n):
+            logits = option_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
+        elif not extra_options and (prefill_runner := self.prefill_graph_for(batch, inputs, options)) is not None:
+            logits = prefill_runner(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices)
         else:
             logits = self.step_fn(
                 inputs.input_ids,
