@@ -191,3 +191,30 @@ def test_engine_config_rejects_bad_prefill_buckets():
         EngineConfig(cuda_graph_prefill_tokens=[0, 16])
     with pytest.raises(ValueError, match="cuda_graph_prefill_seqs"):
         EngineConfig(cuda_graph_prefill_seqs=[2.5])
+
+
+def test_a_failed_capture_leaves_the_engine_on_the_compiled_step(tiny_dirs, monkeypatch, caplog):
+    """Prefill / verify / draft graphs only save host time: when capturing them fails the engine warns
+    and runs those steps without them, with the same tokens."""
+    from rlt_compile import load_model
+
+    def broken(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = load_model(tiny_dirs["nanbeige"])
+    prompts = [[5, 6, 7, 8], [9] * 11]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    def run(**kw):
+        eng = LLMEngine(model, num_blocks=32, max_num_seqs=4, **kw)
+        ids = [eng.add_request(None, p, params) for p in prompts]
+        done = eng.run_to_completion()
+        return eng, [done[i].outputs[0].token_ids for i in ids]
+
+    _, plain = run()
+    monkeypatch.setattr(PrefillGraphRunner, "capture", broken)
+    with caplog.at_level("WARNING"):
+        eng, tokens = run(use_cuda_graphs=True, cuda_graph_prefill_tokens=[16], speculative_num_draft=2)
+    assert eng.runner.prefill_graph_runner is None and eng.runner.verify_graph_runner is None
+    assert "graph capture failed (RuntimeError" in caplog.text
+    assert tokens == plain

@@ -145,10 +145,10 @@ class ModelRunner:
         self._row_graph_runner = None  # Ouro's per-request exits; captured at first use
         self._option_graph_runners: dict[str, object] = {}  # other static options (drafts); at first use
         prefill_graphs = config.use_cuda_graphs and bool(config.cuda_graph_prefill_tokens)
-        self.prefill_graph_runner = self._build_prefill_graph_runner() if prefill_graphs else None
+        self.prefill_graph_runner = self._optional_graphs(self._build_prefill_graph_runner) if prefill_graphs else None
         # self-speculation's verify passes (a logits row per token), for up to VERIFY_GRAPH_SEQS sequences
         verify_graphs = config.use_cuda_graphs and config.speculative_num_draft > 0 and not config.depth_batching
-        self.verify_graph_runner = self._build_verify_graph_runner() if verify_graphs else None
+        self.verify_graph_runner = self._optional_graphs(self._build_verify_graph_runner) if verify_graphs else None
 
     def _build_step_fn(self):
         if not self.config.compile:
@@ -189,6 +189,16 @@ class ModelRunner:
         runner.capture()
         return runner
 
+    @staticmethod
+    def _optional_graphs(build):
+        """``build()``, or None with a warning when capturing fails: these graphs only save host time,
+        so the engine keeps serving through the compiled step."""
+        try:
+            return build()
+        except (RuntimeError, ValueError) as e:
+            log.warning("graph capture failed (%s: %s); those steps run the compiled step", type(e).__name__, e)
+            return None
+
     def option_graph_runner(self, options: dict):
         """Decode graphs captured with ``options`` (self-speculation's draft passes: the engine-wide
         options with fewer loop steps), the first time a decode batch runs with them, into the
@@ -198,8 +208,8 @@ class ModelRunner:
         key = repr(sorted(options.items()))
         if key not in self._option_graph_runners:
             log.info("capturing the decode graphs for forward options %s", options)
-            self._option_graph_runners[key] = self._build_graph_runner(
-                step_options=options, pool=self.graph_runner.pool
+            self._option_graph_runners[key] = self._optional_graphs(
+                lambda: self._build_graph_runner(step_options=options, pool=self.graph_runner.pool)
             )
         return self._option_graph_runners[key]
 
