@@ -7,6 +7,8 @@ batch 32/64 (greedy, ``ignore_eos``). Modes, each measured in the same process:
   eager+triton   the same with ``rlt::attention`` dispatched to the Triton paged kernel on CUDA
   compiled       ``compile=True`` + ``use_cuda_graphs=True`` (only when rlt_compile.compiler and
                  rlt_compile.graphs exist)
+  prefill-graphs the same plus prefill / mixed-step graphs (``cuda_graph_prefill_tokens``: powers of
+                 two from 16 to 2048); not in the default modes
 
 Output tok/s counts generated tokens over the wall time of the whole run (prefill included); the
 non-reference modes first run each scenario once untimed (up to ``--warm-time-limit``), so Triton
@@ -46,6 +48,7 @@ SCENARIOS = [
     ("1k+64 b64", 64, 1024, 64),
 ]
 MODES = ("eager", "eager+triton", "compiled")
+PREFILL_GRAPH_TOKENS = [16 << i for i in range(8)]  # 16 .. 2048
 
 
 @dataclass
@@ -82,7 +85,7 @@ def set_attention(backend: str) -> None:
 
 
 def make_engine(model, mode: str, num_blocks: int, max_num_seqs: int) -> LLMEngine:
-    fast = mode == "compiled"
+    fast = mode in ("compiled", "prefill-graphs")
     return LLMEngine(
         model,
         num_blocks=num_blocks,
@@ -92,6 +95,7 @@ def make_engine(model, mode: str, num_blocks: int, max_num_seqs: int) -> LLMEngi
         enable_prefix_caching=False,  # random prompts share nothing; keep hashing out of the numbers
         compile=fast,
         use_cuda_graphs=fast,
+        cuda_graph_prefill_tokens=PREFILL_GRAPH_TOKENS if mode == "prefill-graphs" else None,
     )
 
 
@@ -150,12 +154,16 @@ def main(argv=None) -> int:
         print("engine_bench needs a CUDA GPU", file=sys.stderr)
         return 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if "compiled" in modes and (
+    unknown = set(modes) - {*MODES, "prefill-graphs"}
+    if unknown:
+        print(f"unknown modes {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if {"compiled", "prefill-graphs"} & set(modes) and (
         importlib.util.find_spec("rlt_compile.compiler") is None
         or importlib.util.find_spec("rlt_compile.graphs") is None
     ):
-        print("compiled mode skipped: rlt_compile.compiler / rlt_compile.graphs not available", file=sys.stderr)
-        modes.remove("compiled")
+        print("compiled modes skipped: rlt_compile.compiler / rlt_compile.graphs not available", file=sys.stderr)
+        modes = [m for m in modes if m not in ("compiled", "prefill-graphs")]
     scenarios = SCENARIOS
     if args.scenarios:
         wanted = {s.strip() for s in args.scenarios.split(",")}

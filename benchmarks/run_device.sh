@@ -719,12 +719,15 @@ if [[ $what == pending68 ]]; then
 fi
 if [[ $what == pending69 ]]; then
   # session 21 (issue 4): TTFT and ITL behind the OpenAI server, compiled + decode graphs, with and without
-  # prefill / mixed-step graphs (128-token prompts, 64 output tokens, concurrency 1 and 16) (~5 min)
+  # prefill / mixed-step graphs (128-token prompts, 64 output tokens, concurrency 1 and 16), then the
+  # engine bench's scenarios (16 output tokens) compiled + graphs with and without them (~8 min)
   for graphs in "" "--prefill-graphs 64,128,256,512,1024,2048"; do
     echo "== serve_bench --compile $graphs"
-    timeout 280 python3 benchmarks/serve_bench.py --compile $graphs --concurrency 1,16 --time-limit 30 \
+    timeout 150 python3 benchmarks/serve_bench.py --compile $graphs --concurrency 1,16 --time-limit 20 \
       --out "$OUT/serve${graphs:+_prefill_graphs}.md" 2>&1 | grep -E "^\|" | tail -4
   done
+  timeout 250 python3 benchmarks/engine_bench.py --modes compiled,prefill-graphs --quick --time-limit 20 \
+    --warm-time-limit 5 --out "$OUT/engine_prefill_graphs.md" 2>&1 | grep -E "^(\||\[)"
 fi
 if [[ $what == pending70 ]]; then
   # session 21 (issue 4): one projection's GEMV tiles end to end (RLT_GEMV_CONFIG only_n / only_k, new).
