@@ -91,7 +91,7 @@ def test_forced_agreement_accepts_every_draft_in_fewer_steps(forced):
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_draft_passes_replay_graphs_captured_with_their_options(models, family):
     """With ``use_cuda_graphs`` (static buffers on the CPU) the draft passes run a second set of
-    decode graphs captured at their first use with the draft options, and the verify passes graphs
+    decode graphs captured with the engine with the draft options, and the verify passes graphs
     with a logits row per token (up to 8 sequences: 32 tokens); the tokens are plain decoding's."""
     model = models[family]
     prompts = mixed_prompts(6, seed=5)
@@ -100,8 +100,9 @@ def test_draft_passes_replay_graphs_captured_with_their_options(models, family):
                  max_num_seqs=8)  # fmt: skip
     verify = eng.runner.verify_graph_runner
     assert verify.token_buckets == [2, 4, 8, 16, 32] and verify.seq_buckets == [1, 2, 4, 8]
+    (drafts,) = eng.runner._option_graph_runners.values()  # captured with the engine, before serving
     assert tokens(run(eng, prompts)) == want
-    (drafts,) = eng.runner._option_graph_runners.values()
+    assert len(eng.runner._option_graph_runners) == 1
     assert drafts.step_options == {**family_options(family), **eng.draft_options}
     # one to three draft passes per speculative step (fewer near max_tokens), none run without the graphs
     assert 0 < eng.stats.spec_steps <= drafts.replays <= 3 * eng.stats.spec_steps and drafts.fallbacks == 0

@@ -179,9 +179,10 @@ def test_engine_with_prefill_graphs_gives_the_same_tokens(tiny_dirs, family, mod
         return eng, [done[i].outputs[0].token_ids for i in ids]
 
     _, plain = run()
-    eng, tokens = run(use_cuda_graphs=True, cuda_graph_prefill_tokens=[8, 32])
+    eng, tokens = run(use_cuda_graphs=True, cuda_graph_prefill_tokens=[128, 8, 32, 64])
     runner = eng.runner.prefill_graph_runner
-    assert runner is not None and runner.seq_buckets == [1, 2, 4]
+    # no step holds more than max_num_batched_tokens=32 tokens: 64 and 128 would never run
+    assert runner is not None and runner.token_buckets == [8, 32] and runner.seq_buckets == [1, 2, 4]
     assert tokens == plain
     assert runner.replays > 0
 

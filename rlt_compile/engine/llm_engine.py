@@ -127,6 +127,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager, max_len)
         self.runner = ModelRunner(model, self.config, num_blocks, max_len)
         self.draft_options = self._draft_options() if self.config.speculative_num_draft else None
+        if self.draft_options is not None:  # the draft passes' decode graphs, captured before serving
+            self.runner.option_graph_runner(self.runner.engine_options(self.draft_options))
         self.depth = self._depth_batcher() if self.config.depth_batching else None
         self.wavefront_chunk = self._wavefront_chunk()
         self.sampler = Sampler(device, self.config.seed)

@@ -189,6 +189,11 @@ class ModelRunner:
         runner.capture()
         return runner
 
+    def engine_options(self, extra: dict | None = None) -> dict:
+        """The forward options of a batch without per-request options in the "delayed" KV layout (what
+        ``step_options`` gives then), updated with ``extra``."""
+        return {**{k: v for k, v in self.model_options.items() if k != "kv_layout"}, **(extra or {})}
+
     @staticmethod
     def _optional_graphs(build):
         """``build()``, or None with a warning when capturing fails: these graphs only save host time,
@@ -201,8 +206,8 @@ class ModelRunner:
 
     def option_graph_runner(self, options: dict):
         """Decode graphs captured with ``options`` (self-speculation's draft passes: the engine-wide
-        options with fewer loop steps), the first time a decode batch runs with them, into the
-        decode graphs' pool; None without decode graphs or with tensor-valued options."""
+        options with fewer loop steps) at the first call with them (``LLMEngine`` makes it at start),
+        into the decode graphs' pool; None without decode graphs or with tensor-valued options."""
         if self.graph_runner is None or any(isinstance(v, torch.Tensor) for v in options.values()):
             return None
         key = repr(sorted(options.items()))
@@ -221,14 +226,22 @@ class ModelRunner:
         if runner_cls is None or (self.device.type == "cuda" and self.step_fn is self.model):
             log.warning("prefill graphs need compile=True and rlt_compile.prefill_graphs; none captured")
             return None
+        if not token_buckets:  # no step holds more than max_num_batched_tokens: larger buckets never run
+            seq_buckets = self.config.cuda_graph_prefill_seqs
+            token_buckets, limit = [], self.config.max_num_batched_tokens
+            for bucket in sorted(set(self.config.cuda_graph_prefill_tokens)):
+                if not token_buckets or token_buckets[-1] < limit:
+                    token_buckets.append(bucket)
+            if len(token_buckets) < len(set(self.config.cuda_graph_prefill_tokens)):
+                log.info("prefill graphs: token buckets above max_num_batched_tokens=%d dropped", limit)
         runner = runner_cls(
             self.step_fn,
             self.kv_caches,
             -(-self.max_model_len // self.block_size),
-            token_buckets or self.config.cuda_graph_prefill_tokens,
-            seq_buckets=seq_buckets if token_buckets else self.config.cuda_graph_prefill_seqs,
+            token_buckets,
+            seq_buckets=seq_buckets,
             max_num_seqs=self.config.max_num_seqs,
-            step_options={k: v for k, v in self.model_options.items() if k != "kv_layout"},
+            step_options=self.engine_options(),
             pool=self.graph_runner.pool if self.graph_runner is not None else None,
             logits_rows=logits_rows,
         )
