@@ -143,7 +143,7 @@ class ModelRunner:
         use_graphs = config.use_cuda_graphs and not config.depth_batching
         self.graph_runner = self._build_graph_runner() if use_graphs else None
         self._row_graph_runner = None  # Ouro's per-request exits; captured at first use
-        self._option_graph_runners: dict[str, object] = {}  # other static options (drafts); at first use
+        self._option_graph_runners: dict[str, object] = {}  # other static options (self-speculation's drafts)
         prefill_graphs = config.use_cuda_graphs and bool(config.cuda_graph_prefill_tokens)
         self.prefill_graph_runner = self._optional_graphs(self._build_prefill_graph_runner) if prefill_graphs else None
         # self-speculation's verify passes (a logits row per token), for up to VERIFY_GRAPH_SEQS sequences
@@ -162,6 +162,8 @@ class ModelRunner:
     def _build_graph_runner(self, row_options: dict | None = None, step_options: dict | None = None, pool=None):
         """Decode graphs over the engine's KV planes, captured with ``step_options`` (default: the
         engine-wide options but ``row_options``' names) into ``pool`` (default: a new one)."""
+        if step_options is None:
+            step_options = {k: v for k, v in self.model_options.items() if k not in (row_options or {})}
         runner_cls = _optional("rlt_compile.graphs", "CudaGraphRunner")
         if runner_cls is None:
             log.warning("use_cuda_graphs=True but rlt_compile.graphs.CudaGraphRunner is not available")
@@ -180,9 +182,7 @@ class ModelRunner:
             -(-self.max_model_len // self.block_size),
             buckets=self.config.cuda_graph_buckets,
             context_buckets=self.config.cuda_graph_context_buckets,
-            step_options=step_options
-            if step_options is not None
-            else {k: v for k, v in self.model_options.items() if k not in (row_options or {})},
+            step_options=step_options,
             row_options=row_options,
         )
         runner.pool = pool
