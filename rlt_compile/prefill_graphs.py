@@ -21,8 +21,8 @@ prompts, chunks and decode rows, so such a step costs one replay:
   (e.g. the TMA prefill where ``T / S`` averages at least 32 query tokens).
 * Static buffers at the largest buckets, sliced per graph; a call fills them with one multi-tensor
   copy per dtype (``graphs.copy_grouped``). Graphs capture largest first into one memory pool
-  (``pool``: share the decode graphs' pool; graphs of one engine never run concurrently); the
-  returned logits are a copy.
+  (``pool``: share the decode graphs' pool; graphs of one engine never run concurrently) and write
+  their logits into one shared buffer; the returned logits are a copy.
 * ``use_graphs=False`` keeps the static buffers and padding and calls ``step_fn`` (the CPU tests).
 """
 
@@ -66,6 +66,7 @@ class PrefillGraphRunner(StaticStepRunner):
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = pool
+        self._logits: torch.Tensor | None = None  # the graphs' shared output buffer (``_run_step``)
 
     # -- buckets ---------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int]]:
@@ -113,7 +114,16 @@ class PrefillGraphRunner(StaticStepRunner):
     def _run_step(self, shape: tuple[int, int]) -> torch.Tensor:
         input_ids, positions, attn, logits_indices = self.static_inputs(*shape)
         out = self.step_fn(input_ids, positions, self.kv_caches, attn, logits_indices, **self.step_options)
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        if not self.use_graphs:
+            return out
+        # Every graph writes its logits into one buffer: kept per graph, the [rows, vocab] outputs of a
+        # serving set of shapes would hold ~0.5-2 GB. Allocated at the first (largest) shape's warm-up,
+        # outside any capture.
+        if self._logits is None or self._logits.shape[1:] != out.shape[1:] or self._logits.dtype != out.dtype:
+            self._logits = out.new_empty((self._row_count(max(self.shapes())), *out.shape[1:]))
+        self._logits[: out.shape[0]].copy_(out)
+        return self._logits[: out.shape[0]]
 
     # -- capture ---------------------------------------------------------------------------
     @torch.no_grad()

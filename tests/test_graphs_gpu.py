@@ -227,6 +227,7 @@ def test_prefill_graphs_equal_the_compiled_step_bf16(tiny_dirs, family):
     runner = PrefillGraphRunner(cm.run_compiled, planes, max_blocks_per_seq=4, token_buckets=[32, 64], max_num_seqs=4,
                                 step_options=opts).capture()  # fmt: skip
     assert sorted(runner.graphs) == [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4)]
+    assert len({out.data_ptr() for out in runner.outputs.values()}) == 1  # one shared logits buffer
     gen = torch.Generator().manual_seed(11)
     a, b, c = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (40, 20, 30))
     ta, tb, tc = [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]
