@@ -81,6 +81,25 @@ def test_cuda_compiled_graphs_match_eager(tiny_dirs):
     assert first >= 0.9 and whole >= 0.75, (first, whole)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_prefill_graphs_give_the_compiled_engines_tokens(tiny_dirs, family):
+    """``cuda_graph_prefill_tokens`` (fp32, highest matmul precision): prompts, chunks and mixed steps
+    replayed from prefill graphs give the tokens of the same compiled engine without them."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        model = load_model(tiny_dirs[family], dtype=torch.float32, device="cuda")
+        prompts = _prompts(10, seed=5)
+        kw = dict(num_blocks=256, model_options=family_options(family), compile=True, use_cuda_graphs=True,
+                  max_num_seqs=8, max_num_batched_tokens=64)  # fmt: skip
+        want = _run(LLMEngine(model, **kw), prompts)
+        eng = LLMEngine(model, cuda_graph_prefill_tokens=[16, 32, 64], **kw)
+        assert _run(eng, prompts) == want
+        assert eng.runner.prefill_graph_runner.replays > 0
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
 def test_cuda_graphs_capture_data_dependent_exits(tiny_dirs):
     """Engine-wide "last-exited" without a fixed exit: each row exits where the gate says; the
     captured graph runs every loop step with the exited rows masked (no host read), with the tokens
