@@ -147,6 +147,7 @@ ENGINE_MODES = {
     "async": {"async_scheduling": True},
     "depth_batching": {"depth_batching": True},
     "speculative": {"speculative_num_draft": 2},
+    "wavefront": {"wavefront_prefill_chunk": 8},  # longer prompts: wavefront prefill, without the graphs
 }
 
 
@@ -158,6 +159,7 @@ ENGINE_MODES = {
         ("nanbeige", "async"),
         ("ouro", "depth_batching"),
         ("nanbeige", "speculative"),
+        ("huginn", "wavefront"),
     ],  # fmt: skip
 )
 def test_engine_with_prefill_graphs_gives_the_same_tokens(tiny_dirs, family, mode):
