@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending71|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending72|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -703,31 +703,37 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --engine-profile --mode
 fi
 if [[ $what == pending68 ]]; then
   # session 21 (issue 4): prefill / mixed-batch graphs (prefill_graphs.PrefillGraphRunner, off by default).
-  # GPU tests of the graphs, then each model's prefill step with and without a graph (fresh prompts of
-  # 16 / 128 / 512 tokens, 15 decode rows + a 512-token chunk) (~6 min; pending69: TTFT behind the server).
-  # If the graphs hold, make them the default (EngineConfig)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs_gpu.py tests/test_engine_gpu.py \
+  # GPU tests of the graphs and the engine, then Ouro-1.4B's prefill step with and without a graph (fresh
+  # prompts of 16 / 128 / 512 tokens, 15 decode rows + a 512-token chunk), then what a serving set of
+  # buckets costs to capture (time, memory: tokens 16..2048 x sequences up to 256) (~7 min; pending69:
+  # the other models and the engine bench, pending72: TTFT behind the server). If the graphs hold, make
+  # them the default (EngineConfig)
+  timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_graphs_gpu.py tests/test_engine_gpu.py \
     > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-  for model in ouro-1.4b nanbeige4.2-3b huginn-0125; do
-    timeout 150 python3 benchmarks/prefill_graph_bench.py --model $model --out "$OUT/prefill_graph_$model.md" 2>&1 \
-      | grep -E "^(\||Prefill|error)"
-  done
-  # what a serving set of buckets costs to capture (time, memory): tokens 16..2048 x sequences up to 256
-  timeout 200 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --token-buckets 16,32,64,128,256,512,1024,2048 \
+  timeout 120 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --out "$OUT/prefill_graph_ouro-1.4b.md" \
+    2>&1 | grep -E "^(\||Prefill|error)"
+  timeout 180 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --token-buckets 16,32,64,128,256,512,1024,2048 \
     --max-seqs 256 --reps 3 --out "$OUT/prefill_graph_all.md" 2>&1 | grep -E "^(Prefill|error)"
 fi
 if [[ $what == pending69 ]]; then
+  # session 21 (issue 4): prefill graphs for Nanbeige and Huginn, then the engine bench's scenarios (16
+  # output tokens) compiled + graphs with and without prefill / mixed-step graphs (~8 min)
+  for model in nanbeige4.2-3b huginn-0125; do
+    timeout 130 python3 benchmarks/prefill_graph_bench.py --model $model --out "$OUT/prefill_graph_$model.md" 2>&1 \
+      | grep -E "^(\||Prefill|error)"
+  done
+  timeout 250 python3 benchmarks/engine_bench.py --modes compiled,prefill-graphs --quick --time-limit 20 \
+    --warm-time-limit 5 --out "$OUT/engine_prefill_graphs.md" 2>&1 | grep -E "^(\||\[)"
+fi
+if [[ $what == pending72 ]]; then
   # session 21 (issue 4): TTFT and ITL behind the OpenAI server, compiled + decode graphs, with and without
-  # prefill / mixed-step graphs (128-token prompts, 64 output tokens, concurrency 1 and 16), then the
-  # engine bench's scenarios (16 output tokens) compiled + graphs with and without them (~8 min)
+  # prefill / mixed-step graphs (128-token prompts, 64 output tokens, concurrency 1 and 16) (~5 min)
   for graphs in "" "--prefill-graphs 64,128,256,512,1024,2048"; do
     echo "== serve_bench --compile $graphs"
     timeout 150 python3 benchmarks/serve_bench.py --compile $graphs --concurrency 1,16 --time-limit 20 \
       --out "$OUT/serve${graphs:+_prefill_graphs}.md" 2>&1 | grep -E "^\|" | tail -4
   done
-  timeout 250 python3 benchmarks/engine_bench.py --modes compiled,prefill-graphs --quick --time-limit 20 \
-    --warm-time-limit 5 --out "$OUT/engine_prefill_graphs.md" 2>&1 | grep -E "^(\||\[)"
 fi
 if [[ $what == pending70 ]]; then
   # session 21 (issue 4): one projection's GEMV tiles end to end (RLT_GEMV_CONFIG only_n / only_k, new).
