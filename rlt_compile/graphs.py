@@ -192,9 +192,9 @@ class StaticStepRunner:
         self._arange = torch.arange(max(tokens, seqs), dtype=torch.long, device=dev)
         self._zeros = torch.zeros(tokens, dtype=torch.long, device=dev)
         self._no_slots = torch.full((tokens,), -1, dtype=torch.long, device=dev)
-        self._zeros32 = torch.zeros(seqs, dtype=torch.int32, device=dev)
         self._zero_tables = torch.zeros((seqs, width), dtype=torch.int32, device=dev)
-        # row c: the value c, as often as sequences can be padded (query starts of padding sequences)
+        # row c: the value c, as often as sequences can be padded (row 0: padding sequence lengths,
+        # row t: padding query starts after t real tokens)
         self._token_counts = (
             torch.arange(tokens + 1, dtype=torch.int32, device=dev)[:, None].expand(-1, seqs).contiguous()
         )
@@ -232,6 +232,23 @@ class StaticStepRunner:
             (self.logits_indices[:rows], self._arange[:rows] if logits_indices is None else logits_indices),
         ]
 
+    def _capture_one(self, key, run: Callable[[], torch.Tensor]) -> None:
+        """``run`` (one step on the static buffers) captured as ``graphs[key]`` into the runner's pool,
+        its output kept as ``outputs[key]``; without graphs, just run once."""
+        if not self.use_graphs:
+            self.outputs[key] = run()
+            return
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self.graphs[key], self.outputs[key] = capture_graph(run, self.device, self.warmup_runs, self.pool)
+
+    def _captured(self, started: float) -> None:
+        """Mark the runner captured ``time.perf_counter() - started`` seconds after it started."""
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+        self.captured = True
+        self.capture_seconds = time.perf_counter() - started
+
     def _padding_pairs(self, t: int, tokens: int, s: int, seqs: int, rows: int, row_count: int | None = None) -> list:
         """(buffer, value) pairs padding ``t`` tokens of ``s`` sequences to ``tokens`` x ``seqs``:
         padding tokens are token 0 at position 0 with slot -1, padding sequences have query length 0
@@ -242,7 +259,7 @@ class StaticStepRunner:
             (self.input_ids[t:tokens], self._zeros[t:tokens]),
             (self.positions[t:tokens], self._zeros[t:tokens]),
             (self.slot_mapping[t:tokens], self._no_slots[t:tokens]),
-            (self.seq_lens[s:seqs], self._zeros32[s:seqs]),
+            (self.seq_lens[s:seqs], self._token_counts[0, : seqs - s]),
             (self.block_tables[s:seqs], self._zero_tables[s:seqs]),
             (self.query_start_loc[s + 1 : seqs + 1], self._token_counts[t, : seqs - s]),
             (self.logits_indices[rows:row_count], self._arange[rows:row_count]),
@@ -357,26 +374,11 @@ class CudaGraphRunner(StaticStepRunner):
         t0 = time.perf_counter()
         for bucket in reversed(self.buckets):
             self.query_start_loc[0] = 0
-            for name, buf in self.row_buffers.items():
-                buf.copy_(self._row_padding[name])
-            copy_grouped(self._padding_pairs(0, bucket, 0, bucket, 0))  # all padding: no KV reads or writes
+            rows = [(buf, self._row_padding[name]) for name, buf in self.row_buffers.items()]
+            copy_grouped(rows + self._padding_pairs(0, bucket, 0, bucket, 0))  # all padding: no KV reads or writes
             for context in self.contexts_for(bucket):
-                key = (bucket, context)
-                if not self.use_graphs:
-                    self.outputs[key] = self._run_step(bucket, context)
-                    continue
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                self.graphs[key], self.outputs[key] = capture_graph(
-                    lambda bucket=bucket, context=context: self._run_step(bucket, context),
-                    self.device,
-                    self.warmup_runs,
-                    self.pool,
-                )
-        if self.use_graphs:
-            torch.cuda.synchronize(self.device)
-        self.captured = True
-        self.capture_seconds = time.perf_counter() - t0
+                self._capture_one((bucket, context), lambda b=bucket, c=context: self._run_step(b, c))
+        self._captured(t0)
         log.info(
             "captured %s for buckets %s (contexts %s up to batch %d) in %.2f s",
             "CUDA/HIP graphs" if self.use_graphs else "static-buffer steps (no graphs)",

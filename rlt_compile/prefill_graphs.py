@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlt_compile.graphs import StaticStepRunner, capture_graph, copy_grouped, normalize_buckets
+from rlt_compile.graphs import StaticStepRunner, copy_grouped, normalize_buckets
 from rlt_compile.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger("rlt_compile.prefill_graphs")
@@ -134,18 +134,8 @@ class PrefillGraphRunner(StaticStepRunner):
             self.query_start_loc[0] = 0
             # an all-padding batch: no KV reads or writes
             copy_grouped(self._padding_pairs(0, shape[0], 0, shape[1], 0, self._row_count(shape)))
-            if not self.use_graphs:
-                self.outputs[shape] = self._run_step(shape)
-                continue
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            self.graphs[shape], self.outputs[shape] = capture_graph(
-                lambda shape=shape: self._run_step(shape), self.device, self.warmup_runs, self.pool
-            )
-        if self.use_graphs:
-            torch.cuda.synchronize(self.device)
-        self.captured = True
-        self.capture_seconds = time.perf_counter() - t0
+            self._capture_one(shape, lambda shape=shape: self._run_step(shape))
+        self._captured(t0)
         log.info(
             "captured %d prefill %s (tokens %s x sequences %s) in %.2f s",
             len(self.shapes()),
