@@ -109,8 +109,8 @@ def padded_decode_metadata(
 
 
 # Copy a batch's inputs into the static buffers with one multi-tensor copy per dtype group instead of
-# a copy per buffer: between two replays the GPU otherwise runs seven tiny copies in a row, each
-# ~1-2 us at batch 1. A module switch for A/B runs (benchmarks/run_device.sh).
+# a copy per buffer: between two replays the GPU otherwise runs seven tiny copies in a row at batch 1
+# (not yet timed on a GPU). A module switch for A/B runs (benchmarks/run_device.sh pending67).
 FOREACH_FILL = True
 
 
