@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending72|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending73|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -760,5 +760,28 @@ if [[ $what == pending71 ]]; then
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   timeout 330 python3 benchmarks/spec_bench.py --skip-spec --engine --tokens 128 --out "$OUT/spec_engine.md" 2>&1 \
     | grep -E "^(engine|\|)"
+fi
+if [[ $what == pending73 ]]; then
+  # session 22 (issues 4, 3), on whichever card comes: the GPU tests of the graphs, the engine and its
+  # self-speculation after the short-context graphs' default fix (CudaGraphRunner captured them only when
+  # use_graphs was passed as True), Ouro-1.4B's prefill step with and without graphs, the grouped fill and
+  # the o projection's tiles end to end, each alternating with the default (~9 min)
+  timeout 230 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_graphs_gpu.py tests/test_engine_gpu.py \
+    tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 110 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --out "$OUT/prefill_graph_ouro-1.4b.md" \
+    2>&1 | grep -E "^(\||Prefill|error)"
+  for grouped in True False True False; do
+    echo "== FOREACH_FILL=$grouped"
+    timeout 45 python3 -c "import sys, rlt_compile.graphs as g; g.FOREACH_FILL = $grouped
+from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+  o="only_n=2048,only_k=2048"
+  for cfg in "$o,block_n=4,block_k=2048,warps=8" "" "$o,block_k=2048"; do
+    echo "== RLT_GEMV_CONFIG=$cfg"
+    RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
 fi
 exit 0

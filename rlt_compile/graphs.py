@@ -295,7 +295,7 @@ class CudaGraphRunner(StaticStepRunner):
         self._row_padding = {name: buf.clone() for name, buf in self.row_buffers.items()}
         self.block_size = int(kv_caches[0].shape[2])
         if context_buckets is None:
-            context_buckets = [SHORT_DECODE_CONTEXT] if use_graphs else []
+            context_buckets = [SHORT_DECODE_CONTEXT] if self.use_graphs else []
         if any(int(c) < 1 for c in context_buckets):
             raise ValueError(f"context_buckets must be positive position counts, got {list(context_buckets)}")
         full = self.max_blocks_per_seq * self.block_size
