@@ -5,7 +5,8 @@ device-to-device copy bandwidth measured in the same run (copy bandwidth = 2 x b
 plus write). Prefill: causal attention TFLOP/s (2 x S^2 x H x D FLOPs per sequence: two matmuls,
 half of them masked). bf16, block size 16. The SDPA baseline gets K/V already gathered into
 contiguous [B, Hkv, S, D] tensors (the gather is not timed), so it is an upper bound for a
-non-paged kernel.
+non-paged kernel; the "gather + SDPA" columns time the gather out of the paged cache with it, what a
+paged runtime without its own attention kernel runs each step.
 
 Timing (``--timer graph``, the default on CUDA): every call is captured once in a CUDA graph (as the
 engine runs it) and the median of 50 replays is taken, each after a flush of the L2 that keeps the
@@ -210,6 +211,17 @@ def sdpa(q, k, v, scale, causal):
     return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
 
 
+def gathered_sdpa(q, cache, tables, ctx, scale, causal):
+    """SDPA on K/V gathered out of the paged cache in the same call: what a paged runtime without its
+    own attention kernel runs each step (the gather timed with it)."""
+    batch, blocks = tables.shape
+    idx = tables.long()
+    k, v = (
+        cache[i][idx].reshape(batch, blocks * BLOCK_SIZE, *cache.shape[-2:])[:, :ctx].transpose(1, 2) for i in (0, 1)
+    )
+    return sdpa(q, k, v, scale, causal)
+
+
 def decode_rows(device, dtype, batches, contexts, copy_gbps):
     rows = []
     for name, (heads, kv_heads, dim) in MODELS.items():
@@ -238,6 +250,14 @@ def decode_rows(device, dtype, batches, contexts, copy_gbps):
                 err = max(err, (run_triton(False).float() - ref.float()).abs().max().item())
                 err = max(err, (run_triton(config=old).float() - ref.float()).abs().max().item())
                 t_sdpa = bench(lambda q_s=q_s, k_s=k_s, v_s=v_s, scale=scale: sdpa(q_s, k_s, v_s, scale, False), device)
+
+                def run_gathered(q_s=q_s, cache=cache, tables=tables, ctx=ctx, scale=scale):
+                    return gathered_sdpa(q_s, cache, tables, ctx, scale, False)
+
+                err = max(
+                    err, (run_gathered().transpose(1, 2).reshape_as(out).float() - ref.float()).abs().max().item()
+                )
+                t_gathered = bench(run_gathered, device)
                 gbps = kv_bytes / (t_auto * 1e-3) / 1e9
                 rows.append(
                     [
@@ -252,6 +272,8 @@ def decode_rows(device, dtype, batches, contexts, copy_gbps):
                         f"{t_sdpa * 1e3:.1f}",
                         f"{kv_bytes / (t_sdpa * 1e-3) / 1e9:.0f}",
                         f"{t_sdpa / t_auto:.2f}x",
+                        f"{t_gathered * 1e3:.1f}",
+                        f"{t_gathered / t_auto:.2f}x",
                         f"{err:.1e}",
                     ]
                 )
@@ -418,6 +440,12 @@ def prefill_rows(device, dtype, shapes):
                 return sdpa(q_s, k_s, v_s, scale, True)
 
             t_sdpa = bench(run_sdpa, device)
+
+            def run_gathered(q_s=q_s, cache=cache, tables=tables, ctx=ctx, scale=scale):
+                return gathered_sdpa(q_s, cache, tables, ctx, scale, True)
+
+            err = max(err, (run_gathered().transpose(1, 2).reshape_as(out).float() - ref.float()).abs().max().item())
+            t_gathered = bench(run_gathered, device)
             row = [name, batch, ctx, f"{t_tri * 1e3:.0f}", f"{flops / (t_tri * 1e-3) / 1e12:.1f}"]
             t_op = bench(run_op, device)  # the op: KV write + the paged kernel
             err = max(err, (run_op().float() - ref.float()).abs().max().item())
@@ -435,6 +463,8 @@ def prefill_rows(device, dtype, shapes):
                 f"{flops / (t_sdpa * 1e-3) / 1e12:.1f}",
                 f"{t_sdpa / t_tri:.2f}x",
                 f"{t_sdpa / t_op:.2f}x",
+                f"{t_gathered * 1e3:.0f}",
+                f"{t_gathered / t_op:.2f}x",
                 f"{err:.1e}",
             ]
             rows.append(row)
@@ -779,6 +809,8 @@ def main(argv=None) -> int:
                 "SDPA us",
                 "SDPA GB/s",
                 "speedup vs SDPA",
+                "gather + SDPA us",
+                "speedup vs gather + SDPA",
                 "max abs err",
             ],
             dec,
@@ -801,13 +833,16 @@ def main(argv=None) -> int:
                 "SDPA TFLOP/s",
                 "kernel vs SDPA",
                 "op vs SDPA",
+                "gather + SDPA us",
+                "op vs gather + SDPA",
                 "max abs err",
             ],
             pre,
         ),
         "",
         f"Total benchmark time {time.time() - start:.0f} s. SDPA reads K/V pre-gathered into contiguous tensors "
-        f"(gather not timed); triton reads the paged cache through {'ordered' if ORDERED_BLOCKS else 'shuffled'} "
+        f"(gather not timed); 'gather + SDPA' times the gather out of the paged cache with it (what a paged "
+        "runtime without its own kernel runs); triton reads the paged cache through {'ordered' if ORDERED_BLOCKS else 'shuffled'} "
         "block tables. Prefill 'paged "
         "kernel': the unified kernel over the whole causal context; 'op': rlt::attention_triton's call (KV "
         "write + attention: the TMA prefill kernel where the GPU has TMA, else the paged kernel); 'SDPA flash' "
