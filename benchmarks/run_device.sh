@@ -8,10 +8,16 @@
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-# session 19: expecttest was missing after the line above once (test_fuse_rope_gemv failed to import); check it
-PYTHONPATH=/tmp/site python3 -c "import expecttest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
-  --target /tmp/site .whl/expecttest-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > "$OUT/pip.log" 2>&1
+# sessions 19 and 22: a wheel was missing after the line above (expecttest, then fastapi) without a word;
+# check the imports the tests need and install wheel by wheel where one is missing
+if ! PYTHONPATH=/tmp/site python3 -c "import expecttest, depyf, fastapi, uvicorn" 2>>"$OUT/pip.log"; then
+  for wheel in .whl/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel" >> "$OUT/pip.log" 2>&1
+  done
+  PYTHONPATH=/tmp/site python3 -c "import expecttest, depyf, fastapi, uvicorn" || echo "wheels missing: $OUT/pip.log"
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

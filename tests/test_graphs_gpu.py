@@ -158,8 +158,8 @@ def test_huginn_32_recurrences_in_one_graph(tiny_dirs):
 
 
 def test_short_context_graph_takes_16_key_tiles_and_matches_eager(tiny_dirs, monkeypatch):
-    """A 384-position table: batch bucket 1 gets a graph for contexts up to 256 positions (16-key decode
-    tiles) besides the full-width one (64-key tiles). A 20-token sequence replays the first, a 300-token
+    """A 384-position table: batch buckets 1 and 2 get a graph for contexts up to 256 positions (16-key
+    decode tiles) besides the full-width one (64-key tiles). A 20-token sequence replays the first, a 300-token
     one the second; both equal eager."""
     tiles = []
     real_kernel_for = triton_attention.kernel_for
@@ -189,7 +189,7 @@ def test_short_context_graph_takes_16_key_tiles_and_matches_eager(tiny_dirs, mon
     runner = CudaGraphRunner(cm.run_compiled, planes, max_num_seqs=2, max_blocks_per_seq=24, step_options=opts)
     tiles.clear()
     runner.capture()
-    assert sorted(runner.graphs, key=str) == [(1, 256), (1, None), (2, None)]
+    assert sorted(runner.graphs, key=str) == [(1, 256), (1, None), (2, 256), (2, None)]
     assert set(tiles) == {16, 64}
     for prompt, table, context in zip(prompts, tables, (256, None)):
         run_prefill(cm, planes, [prompt], [table], opts)

@@ -288,9 +288,13 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     ``block_n x block_k``. ``acc_2d`` (16-bit rows on the GPU): one row reduces across lanes once
     after its loop instead of per tile, so no reduction and barrier sit between its weight loads
     (sm_90: 30-32 registers, as without it). Measured on the H200 (docs/benchmarks.md, session 19,
-    same call): Ouro-1.4B 3.583 vs 3.764 ms/token, Nanbeige 3.678 vs 3.847."""
+    same call): Ouro-1.4B 3.583 vs 3.764 ms/token, Nanbeige 3.678 vs 3.847. A one-row weight whose
+    row fits one 2048-long run and whose 2-column grid fills at most half the resident programs
+    (``_fills_half_a_wave``) takes 4 columns per program, the whole row in one run and 8 warps: Ouro's
+    o projection (2048 x 2048, 1024 programs on 132 SMs), Ouro-1.4B 3.448 against 3.491 ms/token
+    end to end on the H200 (docs/benchmarks.md, session 22; the only shape measured with it)."""
     dot = m > 1
-    acc_2d = False
+    acc_2d, warps = False, 4
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
         block_n, block_k, stages = 16, 32, 1
     else:
@@ -299,15 +303,23 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
             block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
         elif dtype == torch.float32:
             block_n, block_k = 2, 256
+        elif k <= 2048 and _fills_half_a_wave(n // 2, device):
+            block_n, block_k, warps = 4, 2048, 8
         else:
             block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
         block_k, stages = min(block_k, max(16, triton.next_power_of_2(k))), 3
-    return dict(block_n=block_n, block_k=block_k, warps=4, stages=stages, prefetch=True, dot=dot, acc_2d=acc_2d)
+    return dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, prefetch=True, dot=dot, acc_2d=acc_2d)
 
 
 # Resident one-row programs per SM on sm_90 (kernels/aot.py): 1024-long runs use ~31 registers, so the
 # 64-warp limit allows 16 programs of 4 warps; 2048-long runs use ~47, which allows 10.
 _PROGRAMS_PER_SM_SHORT, _PROGRAMS_PER_SM_LONG = 16, 10
+
+
+def _fills_half_a_wave(programs: int, device: torch.device) -> bool:
+    """Whether a grid of ``programs`` short-run programs fills at most half of what the SMs hold at
+    once: there, fewer programs each keeping a whole 4-column tile in flight read faster."""
+    return programs <= _PROGRAMS_PER_SM_SHORT * sm_count(device) // 2
 
 
 def _long_runs_add_a_wave(programs: int, device: torch.device) -> bool:
