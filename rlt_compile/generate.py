@@ -39,6 +39,11 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
+def parse_buckets(text: str) -> list[int]:
+    """``parse_int_list``, or ``"off"`` -> ``[]`` (no buckets: no graphs of that kind)."""
+    return [] if text.strip().lower() == "off" else parse_int_list(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlt_compile.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint folder (HF format)")
@@ -59,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--compile", action="store_true", help="run the compiled step (rlt_compile.compiler)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
-    p.add_argument("--cuda-graph-prefill-tokens", type=parse_int_list, default=None, metavar="N,N,...",
-                   help="with --cuda-graphs: also replay prefill steps of up to these token counts")  # fmt: skip
+    p.add_argument("--cuda-graph-prefill-tokens", type=parse_buckets, default=None, metavar="N,N,...|off",
+                   help="with --cuda-graphs: token buckets of the prefill-step graphs (default on the GPU: "
+                        "128,256,512; off: none)")  # fmt: skip
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharing the model (under torchrun)")
     p.add_argument("--verbose", action="store_true", help="print token counts, timing and tok/s to stderr")

@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from rlt_compile.generate import parse_int_list, parse_model_option
+from rlt_compile.generate import parse_buckets, parse_model_option
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--compile", action="store_true", help="run the compiled step (rlt_compile.compiler)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
-    p.add_argument("--cuda-graph-prefill-tokens", type=parse_int_list, default=None, metavar="N,N,...",
-                   help="with --cuda-graphs: also replay prefill / mixed steps of up to these token counts")  # fmt: skip
+    p.add_argument("--cuda-graph-prefill-tokens", type=parse_buckets, default=None, metavar="N,N,...|off",
+                   help="with --cuda-graphs: token buckets of the prefill / mixed-step graphs (default on the "
+                        "GPU: 128,256,512; off: none)")  # fmt: skip
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
     p.add_argument(

@@ -184,9 +184,31 @@ def test_engine_with_prefill_graphs_gives_the_same_tokens(tiny_dirs, family, mod
     eng, tokens = run(use_cuda_graphs=True, cuda_graph_prefill_tokens=[128, 8, 32, 64])
     runner = eng.runner.prefill_graph_runner
     # no step holds more than max_num_batched_tokens=32 tokens: 64 and 128 would never run
-    assert runner is not None and runner.token_buckets == [8, 32] and runner.seq_buckets == [1, 2, 4]
+    # sequence buckets: DEFAULT_PREFILL_GRAPH_SEQS below max_num_seqs=4, then 4
+    assert runner is not None and runner.token_buckets == [8, 32] and runner.seq_buckets == [1, 4]
     assert tokens == plain
     assert runner.replays > 0
+
+
+def test_prefill_graphs_default_on_the_gpu_and_off_on_the_cpu(tiny_dirs):
+    """``cuda_graph_prefill_tokens=None`` means the default buckets where graphs can replace the step's
+    host work (the GPU) and none on the CPU; ``[]`` means none anywhere."""
+    from types import SimpleNamespace
+
+    from rlt_compile import load_model
+    from rlt_compile.engine.config import DEFAULT_PREFILL_GRAPH_TOKENS
+    from rlt_compile.engine.model_runner import ModelRunner
+
+    def buckets(device, tokens):
+        runner = SimpleNamespace(config=EngineConfig(cuda_graph_prefill_tokens=tokens), device=torch.device(device))
+        return ModelRunner._prefill_token_buckets(runner)
+
+    assert buckets("cuda", None) == list(DEFAULT_PREFILL_GRAPH_TOKENS)
+    assert buckets("cpu", None) == [] and buckets("cuda", []) == []
+    assert buckets("cpu", [64, 16]) == [64, 16]
+    model = load_model(tiny_dirs["ouro"])
+    eng = LLMEngine(model, model_options=family_options("ouro"), num_blocks=16, max_num_seqs=2, use_cuda_graphs=True)
+    assert eng.runner.graph_runner is not None and eng.runner.prefill_graph_runner is None
 
 
 def test_engine_config_rejects_bad_prefill_buckets():

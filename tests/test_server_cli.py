@@ -63,6 +63,8 @@ def test_cli_options_map_to_engine_config():
     args = build_parser().parse_args(["--model", "m", "--cuda-graphs", "--cuda-graph-prefill-tokens", "64,16"])
     assert engine_options(args)["cuda_graph_prefill_tokens"] == [64, 16]
     assert "cuda_graph_prefill_tokens" not in engine_options(build_parser().parse_args(["--model", "m"]))
+    args = build_parser().parse_args(["--model", "m", "--cuda-graphs", "--cuda-graph-prefill-tokens", "off"])
+    assert engine_options(args)["cuda_graph_prefill_tokens"] == []
 
 
 def test_serve_process_streams_and_shuts_down_gracefully(tiny_dirs):

@@ -21,6 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 POLICIES = ("fcfs", "priority")
+# Default prefill-graph buckets. Without a graph a prefill step is bound by the host (Ouro-1.4B on the
+# H200: 130-141 ms whatever its size); a replay of 16 tokens takes 5.9 ms, of 128 tokens 6.2, of 512
+# 11.1 (docs/benchmarks.md, session 22), so coarse token buckets lose little to padding. Sequence
+# buckets only size the logits rows and the attention grid.
+DEFAULT_PREFILL_GRAPH_TOKENS = (128, 256, 512)
+DEFAULT_PREFILL_GRAPH_SEQS = (1, 8, 64, 256)
 
 
 @dataclass
@@ -45,8 +51,8 @@ class EngineConfig:
     # default [256]; []: none): their attention takes the short context's tiles (docs/compiler.md).
     cuda_graph_context_buckets: list[int] | None = None
     # Prefill / mixed-batch graphs (prefill_graphs.PrefillGraphRunner, docs/compiler.md): token buckets
-    # (None or []: off) and sequence buckets (None: powers of two up to max_num_seqs and each token
-    # bucket). Needs use_cuda_graphs.
+    # (None: DEFAULT_PREFILL_GRAPH_TOKENS on the GPU, none on the CPU; []: none) and sequence buckets
+    # (None: DEFAULT_PREFILL_GRAPH_SEQS up to max_num_seqs, and max_num_seqs). Needs use_cuda_graphs.
     cuda_graph_prefill_tokens: list[int] | None = None
     cuda_graph_prefill_seqs: list[int] | None = None
     seed: int = 0  # for requests without their own seed

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlt_compile.engine.config import EngineConfig
+from rlt_compile.engine.config import DEFAULT_PREFILL_GRAPH_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS, EngineConfig
 from rlt_compile.engine.scheduler import ScheduledBatch
 from rlt_compile.engine.sequence import Sequence
 from rlt_compile.kernels.metadata import AttentionMetadata, build_metadata
@@ -144,7 +144,7 @@ class ModelRunner:
         self.graph_runner = self._build_graph_runner() if use_graphs else None
         self._row_graph_runner = None  # Ouro's per-request exits; captured at first use
         self._option_graph_runners: dict[str, object] = {}  # other static options (self-speculation's drafts)
-        prefill_graphs = config.use_cuda_graphs and bool(config.cuda_graph_prefill_tokens)
+        prefill_graphs = config.use_cuda_graphs and bool(self._prefill_token_buckets())
         self.prefill_graph_runner = self._optional_graphs(self._build_prefill_graph_runner) if prefill_graphs else None
         # self-speculation's verify passes (a logits row per token), for up to VERIFY_GRAPH_SEQS sequences
         verify_graphs = config.use_cuda_graphs and config.speculative_num_draft > 0 and not config.depth_batching
@@ -218,6 +218,14 @@ class ModelRunner:
             )
         return self._option_graph_runners[key]
 
+    def _prefill_token_buckets(self) -> list[int]:
+        """``cuda_graph_prefill_tokens``, or where it is None the default buckets on the GPU (on the
+        CPU no graph would replace the step's host work, so none)."""
+        tokens = self.config.cuda_graph_prefill_tokens
+        if tokens is None:
+            return list(DEFAULT_PREFILL_GRAPH_TOKENS) if self.device.type == "cuda" else []
+        return list(tokens)
+
     def _build_prefill_graph_runner(self, token_buckets=None, seq_buckets=None, logits_rows: str = "seqs"):
         """Graphs for prefill and mixed batches (default: ``cuda_graph_prefill_tokens`` /
         ``_seqs``), captured with the options every prompt token runs with: the engine-wide ones
@@ -227,13 +235,17 @@ class ModelRunner:
             log.warning("prefill graphs need compile=True and rlt_compile.prefill_graphs; none captured")
             return None
         if not token_buckets:  # no step holds more than max_num_batched_tokens: larger buckets never run
-            seq_buckets = self.config.cuda_graph_prefill_seqs
+            wanted = sorted(set(self._prefill_token_buckets()))
             token_buckets, limit = [], self.config.max_num_batched_tokens
-            for bucket in sorted(set(self.config.cuda_graph_prefill_tokens)):
+            for bucket in wanted:
                 if not token_buckets or token_buckets[-1] < limit:
                     token_buckets.append(bucket)
-            if len(token_buckets) < len(set(self.config.cuda_graph_prefill_tokens)):
+            if len(token_buckets) < len(wanted):
                 log.info("prefill graphs: token buckets above max_num_batched_tokens=%d dropped", limit)
+            seq_buckets = self.config.cuda_graph_prefill_seqs
+            if seq_buckets is None:
+                most = min(self.config.max_num_seqs, token_buckets[-1])
+                seq_buckets = [s for s in DEFAULT_PREFILL_GRAPH_SEQS if s < most] + [most]
         runner = runner_cls(
             self.step_fn,
             self.kv_caches,
