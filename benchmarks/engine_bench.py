@@ -5,10 +5,12 @@ batch 32/64 (greedy, ``ignore_eos``). Modes, each measured in the same process:
 
   eager          the plain engine: model forward in eager PyTorch, reference (torch) attention
   eager+triton   the same with ``rlt::attention`` dispatched to the Triton paged kernel on CUDA
-  compiled       ``compile=True`` + ``use_cuda_graphs=True`` (only when rlt_compile.compiler and
-                 rlt_compile.graphs exist)
-  prefill-graphs the same plus prefill / mixed-step graphs (``cuda_graph_prefill_tokens``: powers of
-                 two from 16 to 2048); not in the default modes
+  compiled       ``compile=True`` + ``use_cuda_graphs=True``: decode graphs and the default prefill /
+                 mixed-step graphs (only when rlt_compile.compiler and rlt_compile.graphs exist)
+  no-prefill-graphs  the same without prefill / mixed-step graphs (``cuda_graph_prefill_tokens=[]``);
+                 not in the default modes
+  prefill-graphs the same with prefill / mixed-step graphs for powers of two from 16 to 2048 tokens;
+                 not in the default modes
 
 Output tok/s counts generated tokens over the wall time of the whole run (prefill included); the
 non-reference modes first run each scenario once untimed (up to ``--warm-time-limit``), so Triton
@@ -49,6 +51,7 @@ SCENARIOS = [
 ]
 MODES = ("eager", "eager+triton", "compiled")
 PREFILL_GRAPH_TOKENS = [16 << i for i in range(8)]  # 16 .. 2048
+FAST_MODES = ("compiled", "no-prefill-graphs", "prefill-graphs")
 
 
 @dataclass
@@ -85,7 +88,8 @@ def set_attention(backend: str) -> None:
 
 
 def make_engine(model, mode: str, num_blocks: int, max_num_seqs: int) -> LLMEngine:
-    fast = mode in ("compiled", "prefill-graphs")
+    fast = mode in FAST_MODES
+    prefill_tokens = {"prefill-graphs": PREFILL_GRAPH_TOKENS, "no-prefill-graphs": []}.get(mode)
     return LLMEngine(
         model,
         num_blocks=num_blocks,
@@ -95,7 +99,7 @@ def make_engine(model, mode: str, num_blocks: int, max_num_seqs: int) -> LLMEngi
         enable_prefix_caching=False,  # random prompts share nothing; keep hashing out of the numbers
         compile=fast,
         use_cuda_graphs=fast,
-        cuda_graph_prefill_tokens=PREFILL_GRAPH_TOKENS if mode == "prefill-graphs" else None,
+        cuda_graph_prefill_tokens=prefill_tokens,
     )
 
 
@@ -154,16 +158,16 @@ def main(argv=None) -> int:
         print("engine_bench needs a CUDA GPU", file=sys.stderr)
         return 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {*MODES, "prefill-graphs"}
+    unknown = set(modes) - {*MODES, *FAST_MODES}
     if unknown:
         print(f"unknown modes {sorted(unknown)}", file=sys.stderr)
         return 2
-    if {"compiled", "prefill-graphs"} & set(modes) and (
+    if set(FAST_MODES) & set(modes) and (
         importlib.util.find_spec("rlt_compile.compiler") is None
         or importlib.util.find_spec("rlt_compile.graphs") is None
     ):
         print("compiled modes skipped: rlt_compile.compiler / rlt_compile.graphs not available", file=sys.stderr)
-        modes = [m for m in modes if m not in ("compiled", "prefill-graphs")]
+        modes = [m for m in modes if m not in FAST_MODES]
     scenarios = SCENARIOS
     if args.scenarios:
         wanted = {s.strip() for s in args.scenarios.split(",")}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending73|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending74|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -729,16 +729,16 @@ if [[ $what == pending69 ]]; then
     timeout 130 python3 benchmarks/prefill_graph_bench.py --model $model --out "$OUT/prefill_graph_$model.md" 2>&1 \
       | grep -E "^(\||Prefill|error)"
   done
-  timeout 250 python3 benchmarks/engine_bench.py --modes compiled,prefill-graphs --quick --time-limit 20 \
+  timeout 250 python3 benchmarks/engine_bench.py --modes no-prefill-graphs,compiled --quick --time-limit 20 \
     --warm-time-limit 5 --out "$OUT/engine_prefill_graphs.md" 2>&1 | grep -E "^(\||\[)"
 fi
 if [[ $what == pending72 ]]; then
   # session 21 (issue 4): TTFT and ITL behind the OpenAI server, compiled + decode graphs, with and without
   # prefill / mixed-step graphs (128-token prompts, 64 output tokens, concurrency 1 and 16) (~5 min)
-  for graphs in "" "--prefill-graphs 64,128,256,512,1024,2048"; do
+  for graphs in "--prefill-graphs off" ""; do
     echo "== serve_bench --compile $graphs"
     timeout 150 python3 benchmarks/serve_bench.py --compile $graphs --concurrency 1,16 --time-limit 20 \
-      --out "$OUT/serve${graphs:+_prefill_graphs}.md" 2>&1 | grep -E "^\|" | tail -4
+      --out "$OUT/serve${graphs:+_no_prefill_graphs}.md" 2>&1 | grep -E "^\|" | tail -4
   done
 fi
 if [[ $what == pending70 ]]; then
@@ -785,6 +785,27 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eag
   done
   o="only_n=2048,only_k=2048"
   for cfg in "$o,block_n=4,block_k=2048,warps=8" "" "$o,block_k=2048"; do
+    echo "== RLT_GEMV_CONFIG=$cfg"
+    RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+fi
+if [[ $what == pending74 ]]; then
+  # session 22 (issue 4): GPU tests after the defaults changed (the o projection's 4-column tiles, prefill
+  # graphs in every engine with use_cuda_graphs), all four models on the new tree, Ouro-2.6B with the old
+  # o tiles, and Ouro-1.4B's down projection with 4-column 8-warp tiles, alternating with the default (~9 min)
+  timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_graphs_gpu.py \
+    tests/test_engine_gpu.py tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 150 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/bench_all.md" \
+    2>&1 | grep "graphs .* ms/token"
+  grep -E "^\| (Ouro|Nanbeige|Huginn)" "$OUT/bench_all.md"
+  old_o="only_n=2048,only_k=2048,block_n=2,block_k=1024,warps=4"
+  echo "== Ouro-2.6B, RLT_GEMV_CONFIG=$old_o (the o tiles before session 22)"
+  RLT_GEMV_CONFIG=$old_o timeout 60 python3 -m rlt_compile.bench --model ouro-2.6b --eager-steps 0 --compiled-steps 0 \
+    2>&1 | grep "graphs .* ms/token"
+  down="only_n=2048,only_k=5632"
+  for cfg in "$down,block_n=4,warps=8" "" "$down,block_n=4,block_k=1024,warps=8" "" "$down,block_n=4,warps=8"; do
     echo "== RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlt_compile.generate import parse_int_list  # noqa: E402
+from rlt_compile.generate import parse_buckets  # noqa: E402
 
 MODEL_NAME = "ouro-1.4b-random"
 
@@ -339,7 +339,7 @@ def bench(args: argparse.Namespace) -> int:
             child.wait()
     mode = (
         (
-            ("compiled + CUDA graphs" + (f" + prefill graphs {args.prefill_graphs}" if args.prefill_graphs else ""))
+            "compiled + CUDA graphs" + prefill_graphs_label(args.prefill_graphs)
             if args.compile
             else f"eager, {args.attention} attention"
         )
@@ -362,6 +362,12 @@ def bench(args: argparse.Namespace) -> int:
     return 0 if all(r.errors == 0 for r in results) else 1
 
 
+def prefill_graphs_label(buckets: list[int] | None) -> str:
+    if buckets is None:
+        return " + the engine's default prefill graphs"
+    return f" + prefill graphs {buckets}" if buckets else " without prefill graphs"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the markdown table here")
@@ -374,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=150.0)
     p.add_argument("--attention", choices=("triton", "torch"), default="triton", help="eager attention on CUDA")
     p.add_argument("--compile", action="store_true", help="serve with compile=True and CUDA graphs")
-    p.add_argument("--prefill-graphs", type=parse_int_list, default=None, metavar="N,N,...",
-                   help="with --compile: prefill / mixed-step graphs for these token buckets")  # fmt: skip
+    p.add_argument("--prefill-graphs", type=parse_buckets, default=None, metavar="N,N,...|off",
+                   help="with --compile: prefill / mixed-step graphs for these token buckets (default: the "
+                        "engine's; off: none)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="tiny Ouro on the CPU (a smoke run of this script)")
     p.add_argument("--engine-baseline", action="store_true", help="also time the engine alone (no HTTP) before serving")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
@@ -397,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         args.attention,
     ]
     args.child_argv += ["--compile"] if args.compile else []
-    args.child_argv += ["--prefill-graphs", ",".join(map(str, args.prefill_graphs))] if args.prefill_graphs else []
+    if args.prefill_graphs is not None:
+        args.child_argv += ["--prefill-graphs", ",".join(map(str, args.prefill_graphs)) or "off"]
     args.child_argv += ["--tiny"] if args.tiny else []
     return bench(args)
 
