@@ -89,6 +89,11 @@ def test_ci_set_launches_every_kernel_in_every_dtype_and_mode(target):
     tiles = {(c["BLOCK_M"], c["BLOCK_N"], c["NUM_SPLITS"]) for c in (s.named_constexprs() for s in paged)}
     assert len(tiles) >= 5, tiles  # prefill / decode / split-K tiles for 16-bit and fp32 caches
     assert any(s.named_constexprs()["GROUP"] > 1 for s in paged)  # GQA
+    # the one-row GEMV tiles the target's SM count picks for Ouro: o (4 columns, whole rows), down (2048-long)
+    gemv = {
+        (c["BLOCK_N"], c["BLOCK_K"]) for c in (s.named_constexprs() for s in specs if s.short_name == "gemv_kernel")
+    }
+    assert {(4, 2048), (2, 2048), (2, 1024)} <= gemv, gemv
 
 
 # ----------------------------------------------------------------------------------- AOT compiles

@@ -107,6 +107,7 @@ class Workload:
     # (many loop slots -> small planes), so the workloads below cover both.
     num_blocks: int = 4096
     hidden_size: int = 0  # the residual stream (RMSNorm kernels); 0 = num_heads * head_dim
+    intermediate_size: int = 0  # the MLP's width (the down projection's GEMV); 0: none launched
 
     @property
     def hidden(self) -> int:
@@ -116,10 +117,20 @@ class Workload:
 # The supported families (docs/models.md): MHA with head_dim 128, GQA 48/8, and a head_dim that is not
 # a power of two (padded to 128 with masks); KV planes under and over 2 GiB.
 WORKLOADS: tuple[Workload, ...] = (
-    Workload("ouro-1.4b", num_heads=16, num_kv_heads=16, head_dim=128, num_blocks=8192),  # 1 GiB bf16 plane
+    # 1 GiB bf16 plane
+    Workload("ouro-1.4b", num_heads=16, num_kv_heads=16, head_dim=128, num_blocks=8192, intermediate_size=5632),
     # 4 GiB plane; hidden 3072 (its q_proj widens to 48 x 128 = 6144)
-    Workload("nanbeige-4.2-3b", num_heads=48, num_kv_heads=8, head_dim=128, num_blocks=65536, hidden_size=3072),
-    Workload("huginn-0125", num_heads=55, num_kv_heads=55, head_dim=96, num_blocks=2048),  # 0.8 GiB
+    Workload(
+        "nanbeige-4.2-3b",
+        num_heads=48,
+        num_kv_heads=8,
+        head_dim=128,
+        num_blocks=65536,
+        hidden_size=3072,
+        intermediate_size=10752,
+    ),  # fmt: skip
+    # 0.8 GiB plane
+    Workload("huginn-0125", num_heads=55, num_kv_heads=55, head_dim=96, num_blocks=2048, intermediate_size=17920),
 )
 
 
@@ -253,7 +264,7 @@ def _recording(records: list, label: str):
 @contextlib.contextmanager
 def _as_target(p: Platform, pdl: int = 0):
     """While the launchers run, answer device questions as the target would: ``current_platform()``
-    is ``p`` and the kernel module's SM count (``sm_count``, which sizes split-K) is ``p.num_sms``;
+    is ``p`` and the kernel modules' SM count (``sm_count``, which sizes split-K and GEMV tiles) is ``p.num_sms``;
     on ``meta`` tensors it would otherwise be a CPU default. ``pdl``: the PDL mode every launcher
     picks (``launch.pdl_mode``; on ``meta`` tensors 0), to build the variants a GPU launches."""
     from rlt_compile.kernels import gemv, prefill_tma, rmsnorm, triton_attention
@@ -263,8 +274,8 @@ def _as_target(p: Platform, pdl: int = 0):
 
     current.cache_clear = lambda: None  # type: ignore[attr-defined]
     patches = [(_platform, "current_platform", current)]
-    if p.num_sms and hasattr(triton_attention, "sm_count"):
-        patches.append((triton_attention, "sm_count", lambda device: p.num_sms))
+    if p.num_sms:  # the attention's split-K and the GEMVs' tiles (gemv_config) follow the SM count
+        patches += [(module, "sm_count", lambda device: p.num_sms) for module in (triton_attention, gemv)]
     if pdl:
         patches += [(module, "pdl_mode", lambda t: pdl) for module in (triton_attention, prefill_tma, rmsnorm, gemv)]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
@@ -371,7 +382,8 @@ def _run_norm_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
 def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> None:
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
-    folded in; one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
+    folded in, on a square weight and on the down projection's (``intermediate_size``, whose rows pick
+    the longer runs); one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
     gating kernels for more rows. Prefill
     linears run ``F.linear``."""
     if mode == "prefill":
@@ -379,10 +391,11 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     from rlt_compile.kernels import gemv
 
     weight = torch.empty(workload.hidden, workload.hidden, dtype=dtype, device="meta")
-    for rows in (1, 8):
-        gemv.linear_gemv(torch.empty(rows, workload.hidden, dtype=dtype, device="meta"), weight)
-        gate_up = torch.empty(rows, 2 * workload.hidden, dtype=dtype, device="meta")
-        gemv.linear_gemv(gate_up, weight, silu_mul=True)
+    for k in filter(None, (workload.hidden, workload.intermediate_size)):
+        for rows in (1, 8):
+            w = torch.empty(workload.hidden, k, dtype=dtype, device="meta")
+            gemv.linear_gemv(torch.empty(rows, k, dtype=dtype, device="meta"), w)
+            gemv.linear_gemv(torch.empty(rows, 2 * k, dtype=dtype, device="meta"), w, silu_mul=True)
     half = workload.head_dim // 2  # the fused q/k/v GEMV with its rotary epilogue (fuse_rope_gemv)
     cos = torch.empty(1, half, dtype=torch.float32, device="meta")
     rope = gemv.RopeColumns(cos, cos, 0, workload.hidden // workload.head_dim * workload.head_dim, workload.head_dim)
