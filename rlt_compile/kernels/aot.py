@@ -128,7 +128,7 @@ WORKLOADS: tuple[Workload, ...] = (
         num_blocks=65536,
         hidden_size=3072,
         intermediate_size=10752,
-    ),  # fmt: skip
+    ),
     # 0.8 GiB plane
     Workload("huginn-0125", num_heads=55, num_kv_heads=55, head_dim=96, num_blocks=2048, intermediate_size=17920),
 )
@@ -383,9 +383,8 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
     folded in, on a square weight and on the down projection's (``intermediate_size``, whose rows pick
-    the longer runs); one row with the rotary epilogue and with the SwiGLU gate epilogue, and the rotary and
-    gating kernels for more rows. Prefill
-    linears run ``F.linear``."""
+    the longer runs); one row with the rotary epilogue and with the SwiGLU gate epilogue, and the
+    rotary and gating kernels for more rows. Prefill linears run ``F.linear``."""
     if mode == "prefill":
         return
     from rlt_compile.kernels import gemv
