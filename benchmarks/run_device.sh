@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending74|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending75|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -792,8 +792,8 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eag
 fi
 if [[ $what == pending74 ]]; then
   # session 22 (issue 4): GPU tests after the defaults changed (the o projection's 4-column tiles, prefill
-  # graphs in every engine with use_cuda_graphs), all four models on the new tree, Ouro-2.6B with the old
-  # o tiles, and Ouro-1.4B's down projection with 4-column 8-warp tiles, alternating with the default (~9 min)
+  # graphs in every engine with use_cuda_graphs), all four models on the new tree and Ouro-2.6B with the
+  # old o tiles (~7 min)
   timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_graphs_gpu.py \
     tests/test_engine_gpu.py tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
@@ -804,8 +804,15 @@ if [[ $what == pending74 ]]; then
   echo "== Ouro-2.6B, RLT_GEMV_CONFIG=$old_o (the o tiles before session 22)"
   RLT_GEMV_CONFIG=$old_o timeout 60 python3 -m rlt_compile.bench --model ouro-2.6b --eager-steps 0 --compiled-steps 0 \
     2>&1 | grep "graphs .* ms/token"
-  down="only_n=2048,only_k=5632"
-  for cfg in "$down,block_n=4,warps=8" "" "$down,block_n=4,block_k=1024,warps=8" "" "$down,block_n=4,warps=8"; do
+fi
+if [[ $what == pending75 ]]; then
+  # session 22 (issue 4): the o projection's 4-column whole-row 8-warp tiles on Ouro-1.4B's other GEMVs
+  # end to end (the chain had understated the o projection's gain: 0.8-1.0% there, 1.3% end to end):
+  # down (2048 x 5632, 2048-long runs), q/k/v with its rotary epilogue (6144 x 2048), gate/up with the
+  # SwiGLU epilogue (11264 x 2048), each next to a default run (~6 min)
+  down="only_n=2048,only_k=5632"; qkv="only_n=6144,only_k=2048"; gate_up="only_n=11264,only_k=2048"
+  for cfg in "" "$down,block_n=4,warps=8" "" "$qkv,block_n=4,block_k=2048,warps=8" "" \
+      "$gate_up,block_n=4,block_k=2048,warps=8" "" "$down,block_n=4,block_k=1024,warps=8"; do
     echo "== RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
