@@ -809,10 +809,14 @@ if [[ $what == pending75 ]]; then
   # session 22 (issue 4): the o projection's 4-column whole-row 8-warp tiles on Ouro-1.4B's other GEMVs
   # end to end (the chain had understated the o projection's gain: 0.8-1.0% there, 1.3% end to end):
   # down (2048 x 5632, 2048-long runs), q/k/v with its rotary epilogue (6144 x 2048), gate/up with the
-  # SwiGLU epilogue (11264 x 2048), each next to a default run (~6 min)
+  # SwiGLU epilogue (11264 x 2048), each next to a default run. Why the o tile may win: a program reads
+  # its first block_n x block_k tile before its PDL wait, i.e. while the attention still runs, and with
+  # 4 x 2048 x 512 programs (all resident) that is the whole 8 MB weight; 2 x 1024 read half of it. So also
+  # the down projection with 4096-long first runs and 8 warps (1024 programs, 8 per SM: all resident,
+  # 16 of its 23 MB before the wait; default 8 MB) (~7 min)
   down="only_n=2048,only_k=5632"; qkv="only_n=6144,only_k=2048"; gate_up="only_n=11264,only_k=2048"
-  for cfg in "" "$down,block_n=4,warps=8" "" "$qkv,block_n=4,block_k=2048,warps=8" "" \
-      "$gate_up,block_n=4,block_k=2048,warps=8" "" "$down,block_n=4,block_k=1024,warps=8"; do
+  for cfg in "" "$down,block_n=4,warps=8" "" "$down,block_k=4096,warps=8" "" "$qkv,block_n=4,block_k=2048,warps=8" \
+      "" "$gate_up,block_n=4,block_k=2048,warps=8" "$down,block_k=4096,warps=8"; do
     echo "== RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
