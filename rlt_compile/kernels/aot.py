@@ -383,13 +383,13 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     """The decode GEMV (``kernels/gemv.py``) as the gemv_swap pass uses it: one row (no ``tl.dot``)
     and 8 rows (the 16-row ``tl.dot`` tile every 2-16 rows share), plain and with the SwiGLU gate
     folded in, on a square weight and on the down projection's (``intermediate_size``, whose rows pick
-    the longer runs); one row with the rotary epilogue and with the SwiGLU gate epilogue, and the
-    rotary and gating kernels for more rows. Prefill linears run ``F.linear``."""
+    the longer runs); one row with the rotary epilogue (on the fused q/k/v weight) and with the SwiGLU
+    gate epilogue (on the gate/up weight), and the rotary and gating kernels for more rows. Prefill
+    linears run ``F.linear``."""
     if mode == "prefill":
         return
     from rlt_compile.kernels import gemv
 
-    weight = torch.empty(workload.hidden, workload.hidden, dtype=dtype, device="meta")
     for k in filter(None, (workload.hidden, workload.intermediate_size)):
         for rows in (1, 8):
             w = torch.empty(workload.hidden, k, dtype=dtype, device="meta")
@@ -397,13 +397,18 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
             gemv.linear_gemv(torch.empty(rows, 2 * k, dtype=dtype, device="meta"), w, silu_mul=True)
     half = workload.head_dim // 2  # the fused q/k/v GEMV with its rotary epilogue (fuse_rope_gemv)
     cos = torch.empty(1, half, dtype=torch.float32, device="meta")
-    rope = gemv.RopeColumns(cos, cos, 0, workload.hidden // workload.head_dim * workload.head_dim, workload.head_dim)
-    gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, rope=rope)
-    gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), weight, swiglu=True)
+    q_cols, kv_cols = workload.num_heads * workload.head_dim, workload.num_kv_heads * workload.head_dim
+    qkv = torch.empty(q_cols + 2 * kv_cols, workload.hidden, dtype=dtype, device="meta")
+    rope = gemv.RopeColumns(cos, cos, 0, q_cols + kv_cols, workload.head_dim)  # q and k rotate
+    gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), qkv, rope=rope)
+    gate_up = torch.empty(
+        2 * (workload.intermediate_size or workload.hidden), workload.hidden, dtype=dtype, device="meta"
+    )
+    gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), gate_up, swiglu=True)
     gemv.silu_gate_triton(torch.empty(8, 2 * workload.hidden, dtype=dtype, device="meta"))  # fuse_swiglu_gemv
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)
-    gemv.rope_columns_triton(torch.empty(8, workload.hidden, dtype=dtype, device="meta"), rows)
+    gemv.rope_columns_triton(torch.empty(8, qkv.shape[0], dtype=dtype, device="meta"), rows)
 
 
 # ------------------------------------------------------------------------------ specialisations
