@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlt_compile.bench import BLOCK_SIZE, CONFIGS, build_random_model, tiny_bench_config  # noqa: E402
 from rlt_compile.compiler import compile_model  # noqa: E402
+from rlt_compile.engine.config import DEFAULT_PREFILL_GRAPH_SEQS, DEFAULT_PREFILL_GRAPH_TOKENS  # noqa: E402
 from rlt_compile.kernels.metadata import build_metadata  # noqa: E402
 from rlt_compile.prefill_graphs import PrefillGraphRunner  # noqa: E402
 
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--token-buckets", default=None, help="capture these token buckets (default: the cases' own)")
     p.add_argument("--max-seqs", type=int, default=None, help="sequence buckets: powers of two up to this")
+    p.add_argument(
+        "--engine-defaults",
+        action="store_true",
+        help="the engine's default buckets (DEFAULT_PREFILL_GRAPH_TOKENS x _SEQS, --max-seqs as max_num_seqs: 256)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny config on the CPU")
     args = p.parse_args(argv)
@@ -93,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(max(lengths) + 200) // BLOCK_SIZE)
     planes = model.allocate_kv_cache(seqs * blocks_per_seq, BLOCK_SIZE, max_steps=options.get("num_steps"))
     cm = compile_model(model, platform=device.type)
-    if args.token_buckets:
+    if args.engine_defaults:
+        token_buckets = list(DEFAULT_PREFILL_GRAPH_TOKENS)
+        args.max_seqs = most = min(args.max_seqs or 256, token_buckets[-1])
+        seq_buckets = [s for s in DEFAULT_PREFILL_GRAPH_SEQS if s < most] + [most]
+    elif args.token_buckets:
         token_buckets, seq_buckets = [int(x) for x in args.token_buckets.split(",")], None
     else:
         token_buckets = sorted({next_pow2(sum(q for q, _ in parts)) for _, parts in all_cases})
@@ -105,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         ids, pos, meta, rows = batch(parts, model.vocab_size, blocks_per_seq, device)
         with torch.no_grad():
             cm(ids, pos, planes, meta, rows, **options)
+    if device.type == "cuda":  # the graphs' pool alone, not the compile warm-ups' freed cache
+        torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     runner.capture()
     pool_mb = ((torch.cuda.memory_reserved(device) if device.type == "cuda" else 0) - reserved) / 2**20

@@ -792,11 +792,14 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eag
 fi
 if [[ $what == pending74 ]]; then
   # session 22 (issue 4): GPU tests after the defaults changed (the o projection's 4-column tiles, prefill
-  # graphs in every engine with use_cuda_graphs), all four models on the new tree and Ouro-2.6B with the
-  # old o tiles (~7 min)
+  # graphs in every engine with use_cuda_graphs), the default prefill buckets' capture time, memory and
+  # replays (prompts of 16-2000 tokens), all four models on the new tree and Ouro-2.6B with the old o
+  # tiles (~8 min)
   timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_graphs_gpu.py \
     tests/test_engine_gpu.py tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
+    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
   timeout 150 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/bench_all.md" \
     2>&1 | grep "graphs .* ms/token"
   grep -E "^\| (Ouro|Nanbeige|Huginn)" "$OUT/bench_all.md"

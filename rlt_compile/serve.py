@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
     p.add_argument("--cuda-graph-prefill-tokens", type=parse_buckets, default=None, metavar="N,N,...|off",
                    help="with --cuda-graphs: token buckets of the prefill / mixed-step graphs (default on the "
-                        "GPU: 128,256,512; off: none)")  # fmt: skip
+                        "GPU: 128,256,512,1024,2048; off: none)")  # fmt: skip
     p.add_argument("--model-option", type=parse_model_option, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded requests")
     p.add_argument(

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, fields
 
 POLICIES = ("fcfs", "priority")
 # Default prefill-graph buckets. Without a graph a prefill step is bound by the host (Ouro-1.4B on the
-# H200: 130-141 ms whatever its size); a replay of 16 tokens takes 5.9 ms, of 128 tokens 6.2, of 512
-# 11.1 (docs/benchmarks.md, session 22), so coarse token buckets lose little to padding. Sequence
-# buckets only size the logits rows and the attention grid.
-DEFAULT_PREFILL_GRAPH_TOKENS = (128, 256, 512)
+# H200: 130-141 ms up to 527 tokens); a replay of 16 tokens takes 5.9 ms, of 128 tokens 6.2, of 512
+# 11.1, a 1024-token graph 19.3 (docs/benchmarks.md, session 22), so coarse token buckets lose little
+# to padding, and chunked-prefill steps up to 2048 tokens still gain. Buckets above
+# max_num_batched_tokens are dropped. Sequence buckets only size the logits rows and the attention grid.
+DEFAULT_PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 2048)
 DEFAULT_PREFILL_GRAPH_SEQS = (1, 8, 64, 256)
 
 
