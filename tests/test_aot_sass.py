@@ -89,10 +89,10 @@ def test_rotary_gemv_loads_cos_and_sin_with_its_input(monkeypatch):
     assert _loads_right_after_wait(order) == 1, order
 
 
-def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_one_barrier(monkeypatch):
+def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_reduction(monkeypatch):
     """One-row GEMVs with ``acc_2d=0`` reduce each K tile behind a barrier, so the second weight
     tile's loads wait for the first tile's reduction; with ``acc_2d`` (the 16-bit default since
-    session 19) every load comes before the single reduction."""
+    session 19) every load comes before the single reduction (one barrier with 4 warps, more with 8)."""
     monkeypatch.setenv("RLT_GEMV_CONFIG", "acc_2d=0")
     for order in _orders("_gemv_kernel", BLOCK_M=1, ROPE_HALF=0, SILU_MUL=False):
         tokens = _after_wait(order)  # x, a reduction, the second tile, its reduction
