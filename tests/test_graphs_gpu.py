@@ -159,8 +159,8 @@ def test_huginn_32_recurrences_in_one_graph(tiny_dirs):
 
 def test_short_context_graph_takes_16_key_tiles_and_matches_eager(tiny_dirs, monkeypatch):
     """A 384-position table: batch buckets 1 and 2 get a graph for contexts up to 256 positions (16-key
-    decode tiles) besides the full-width one (64-key tiles). A 20-token sequence replays the first, a 300-token
-    one the second; both equal eager."""
+    decode tiles) besides the full-width one (64-key tiles). A 20-token sequence replays batch bucket
+    1's first, a 300-token one its second; both equal eager."""
     tiles = []
     real_kernel_for = triton_attention.kernel_for
 
