@@ -842,7 +842,8 @@ def main(argv=None) -> int:
         "",
         f"Total benchmark time {time.time() - start:.0f} s. SDPA reads K/V pre-gathered into contiguous tensors "
         f"(gather not timed); 'gather + SDPA' times the gather out of the paged cache with it (what a paged "
-        f"runtime without its own kernel runs); triton reads the paged cache through {'ordered' if ORDERED_BLOCKS else 'shuffled'} "
+        "runtime without its own kernel runs); triton reads the paged cache through "
+        f"{'ordered' if ORDERED_BLOCKS else 'shuffled'} "
         "block tables. Prefill 'paged "
         "kernel': the unified kernel over the whole causal context; 'op': rlt::attention_triton's call (KV "
         "write + attention: the TMA prefill kernel where the GPU has TMA, else the paged kernel); 'SDPA flash' "

@@ -110,7 +110,8 @@ def padded_decode_metadata(
 
 # Copy a batch's inputs into the static buffers with one multi-tensor copy per dtype group instead of
 # a copy per buffer: between two replays the GPU otherwise runs seven tiny copies in a row at batch 1
-# (not yet timed on a GPU). A module switch for A/B runs (benchmarks/run_device.sh pending67).
+# (Ouro-1.4B 0.2% faster end to end on the H200, docs/benchmarks.md session 22). A module switch for
+# A/B runs (benchmarks/run_device.sh pending73).
 FOREACH_FILL = True
 
 

@@ -405,7 +405,7 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
         2 * (workload.intermediate_size or workload.hidden), workload.hidden, dtype=dtype, device="meta"
     )
     gemv.linear_gemv(torch.empty(1, workload.hidden, dtype=dtype, device="meta"), gate_up, swiglu=True)
-    gemv.silu_gate_triton(torch.empty(8, 2 * workload.hidden, dtype=dtype, device="meta"))  # fuse_swiglu_gemv
+    gemv.silu_gate_triton(torch.empty(8, gate_up.shape[0], dtype=dtype, device="meta"))  # fuse_swiglu_gemv
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)
     gemv.rope_columns_triton(torch.empty(8, qkv.shape[0], dtype=dtype, device="meta"), rows)
