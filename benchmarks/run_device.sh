@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending75|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending76|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -823,6 +823,25 @@ if [[ $what == pending75 ]]; then
     echo "== RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+fi
+if [[ $what == pending76 ]]; then
+  # session 23 (issue 4): pending75 in one call with GPU tests of the GEMV and graphs after the o tile's
+  # new default: Ouro-1.4B end to end with the o projection's 4-column whole-row 8-warp tiles on the down
+  # (also 4096-long runs), q/k/v (rotary epilogue) and gate/up (SwiGLU epilogue) GEMVs, one shape at a time
+  # and together (RLT_GEMV_CONFIG entries separated by ';'), default runs between them (~9 min)
+  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_graphs_gpu.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  down="only_n=2048,only_k=5632"; qkv="only_n=6144,only_k=2048"; gate_up="only_n=11264,only_k=2048"
+  wide="block_n=4,block_k=2048,warps=8"
+  for cfg in "" "$down,block_n=4,warps=8" "$down,block_k=4096,warps=8" "" "$qkv,$wide" "$gate_up,$wide" "" \
+      "$qkv,$wide;$gate_up,$wide" "$qkv,$wide;$gate_up,$wide;$down,block_k=4096,warps=8" ""; do
+    echo "== RLT_GEMV_CONFIG=$cfg"
+    start=$SECONDS
+    RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+    echo "   ($((SECONDS - start)) s)"
   done
 fi
 exit 0

@@ -118,9 +118,11 @@ def rlt_attention_config() -> dict[str, int]:
     return parse_config(os.environ.get("RLT_ATTENTION_CONFIG", ""), "RLT_ATTENTION_CONFIG")
 
 
-def rlt_gemv_config() -> dict[str, int]:
-    """``RLT_GEMV_CONFIG`` parsed like ``RLT_ATTENTION_CONFIG`` (keys are checked by the GEMV launcher)."""
-    return parse_config(os.environ.get("RLT_GEMV_CONFIG", ""), "RLT_GEMV_CONFIG")
+def rlt_gemv_configs() -> list[dict[str, int]]:
+    """``RLT_GEMV_CONFIG``: configs parsed like ``RLT_ATTENTION_CONFIG``, several separated by ``;``
+    (each for the weight shape its ``only_n`` / ``only_k`` name; keys are checked by the GEMV launcher)."""
+    raw = os.environ.get("RLT_GEMV_CONFIG", "")
+    return [parse_config(part, "RLT_GEMV_CONFIG") for part in raw.split(";") if part.strip()]
 
 
 def parse_config(raw: str, name: str = "RLT_ATTENTION_CONFIG") -> dict[str, int]:

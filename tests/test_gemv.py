@@ -97,7 +97,11 @@ def test_rlt_gemv_config_sets_the_defaults_under_a_callers_config(interpret, lau
         32,
         gemv.gemv_config(1, 8, 24, w.dtype, x.device)["block_k"],
     ]
-    monkeypatch.setenv("RLT_GEMV_CONFIG", "acc2d=1")
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "only_n=8, only_k=24, block_k=16; only_n=8, only_k=40, block_k=64")
+    launches.clear()  # one entry per weight shape, the first that matches
+    gemv.linear_gemv(x, w), gemv.linear_gemv(x[:, :24], w2)
+    assert [launch["BLOCK_K"] for launch in launches] == [64, 16]
+    monkeypatch.setenv("RLT_GEMV_CONFIG", "only_n=8, block_k=16; acc2d=1")
     with pytest.raises(ValueError, match="unknown GEMV config keys"):
         gemv.linear_gemv(x, w)
     monkeypatch.delenv("RLT_GEMV_CONFIG")

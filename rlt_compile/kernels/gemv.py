@@ -70,7 +70,8 @@ OP_MAX_ROWS = 1
 _EARLY_ROPE = True
 # Keys of ``linear_gemv``'s ``config`` and of ``RLT_GEMV_CONFIG`` (``gemv_config`` gives the defaults).
 CONFIG_KEYS = frozenset({"block_n", "block_k", "warps", "stages", "prefetch", "dot", "acc_2d"})
-# ``RLT_GEMV_CONFIG`` only: apply it to the weights of this many rows / columns only (one shape's A/B).
+# ``RLT_GEMV_CONFIG`` only: apply an entry to the weights of this many rows / columns only (one shape's A/B;
+# entries for several shapes are separated by ``;``).
 SHAPE_KEYS = frozenset({"only_n", "only_k"})
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -412,17 +413,18 @@ def supports_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False)
 
 
 def _overrides(n: int, k: int, config: dict | None) -> dict:
-    """``RLT_GEMV_CONFIG`` (where its ``only_n`` / ``only_k`` match the weight's ``[n, k]``) under
-    ``config``; unknown keys are a ValueError."""
-    env = envs.rlt_gemv_config()
-    unknown = (set(env) - CONFIG_KEYS - SHAPE_KEYS) | (set(config or {}) - CONFIG_KEYS)
+    """The first ``RLT_GEMV_CONFIG`` entry whose ``only_n`` / ``only_k`` match the weight's ``[n, k]``
+    (or that names no shape), under ``config``; unknown keys in any entry are a ValueError."""
+    entries = envs.rlt_gemv_configs()
+    unknown = set(config or {}) - CONFIG_KEYS
+    for entry in entries:
+        unknown |= set(entry) - CONFIG_KEYS - SHAPE_KEYS
     if unknown:
         raise ValueError(
             f"unknown GEMV config keys {sorted(unknown)} (config or RLT_GEMV_CONFIG); valid: {sorted(CONFIG_KEYS)}"
             f", and in RLT_GEMV_CONFIG {sorted(SHAPE_KEYS)}"
         )
-    if env.get("only_n", n) != n or env.get("only_k", k) != k:
-        env = {}
+    env = next((e for e in entries if e.get("only_n", n) == n and e.get("only_k", k) == k), {})
     return {**{key: v for key, v in env.items() if key not in SHAPE_KEYS}, **(config or {})}
 
 
