@@ -9,8 +9,8 @@ launchers make on ``meta`` tensors, binds them like ``JITFunction.run`` would on
 Set compiled here (representative but complete, < 2 min on 2 cores): every kernel x every dtype
 (fp16, bf16, fp32) x every batch mode (prefill, decode, split-K decode: all tile configurations the
 launchers choose) for the MHA workload (Ouro), plus the GQA workload (Nanbeige 48/8, a KV plane over
-2 GiB, which changes the AMD buffer-op specialisation) in bf16, and Ouro's bf16 decode at a
-208-position table (the short-context 16-key tiles). The full matrix of all workloads is
+2 GiB, which changes the AMD buffer-op specialisation) in bf16, Ouro's bf16 decode at a
+208-position table (the short-context 16-key tiles) and Huginn's bf16 decode GEMVs (2048-long runs). The full matrix of all workloads is
 ``python -m rlt_compile.kernels.aot --jobs 2``.
 """
 
@@ -25,7 +25,7 @@ from rlt_compile.kernels import aot
 from rlt_compile.platform import Platform
 
 TARGETS = ("gfx942", "gfx950", "sm_90")
-OURO, NANBEIGE = aot.WORKLOADS[0], aot.WORKLOADS[1]
+OURO, NANBEIGE, HUGINN = aot.WORKLOADS[0], aot.WORKLOADS[1], aot.WORKLOADS[-1]
 # the bench's 208-position table: 16-bit decode takes its short-context 16-key tiles
 SHORT_OURO = dataclasses.replace(OURO, name="ouro-1.4b-short", max_model_len=208)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -37,7 +37,8 @@ def _specs(kind: str, arch: str, precision: str | None = None, **kw) -> list[aot
 
 def ci_specs(target: str) -> list[aot.Specialisation]:
     """The CI set for ``target``: all kernels x dtypes x modes for Ouro, plus Nanbeige in bf16, plus
-    Ouro's short-context bf16 decode."""
+    Ouro's short-context bf16 decode, plus Huginn's bf16 decode GEMVs (the 2048-long 2-column tiles:
+    Ouro's o and down take 4-column tiles)."""
     kind, arch = aot.TARGETS[target]
     merged: dict[str, aot.Specialisation] = {}
     bf16 = (torch.bfloat16,)
@@ -45,6 +46,7 @@ def ci_specs(target: str) -> list[aot.Specialisation]:
         _specs(kind, arch, workloads=(OURO,))
         + _specs(kind, arch, workloads=(NANBEIGE,), dtypes=bf16)
         + _specs(kind, arch, workloads=(SHORT_OURO,), dtypes=bf16, modes=("decode", "decode-split"))
+        + [s for s in _specs(kind, arch, workloads=(HUGINN,), dtypes=bf16, modes=("decode",)) if "gemv" in s.short_name]
     ):
         if spec.key() in merged:
             merged[spec.key()].labels.extend(spec.labels)
@@ -89,7 +91,8 @@ def test_ci_set_launches_every_kernel_in_every_dtype_and_mode(target):
     tiles = {(c["BLOCK_M"], c["BLOCK_N"], c["NUM_SPLITS"]) for c in (s.named_constexprs() for s in paged)}
     assert len(tiles) >= 5, tiles  # prefill / decode / split-K tiles for 16-bit and fp32 caches
     assert any(s.named_constexprs()["GROUP"] > 1 for s in paged)  # GQA
-    # the one-row GEMV tiles the target's SM count picks for Ouro: o (4 columns, whole rows), down (2048-long)
+    # the one-row GEMV tiles the target's SM count picks: Ouro's o and down (4 columns, 2048-long runs), its
+    # q/k/v and gate/up (2 x 1024), Huginn's (2 x 2048)
     gemv = {
         (c["BLOCK_N"], c["BLOCK_K"]) for c in (s.named_constexprs() for s in specs if s.short_name == "gemv_kernel")
     }

@@ -290,10 +290,12 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     after its loop instead of per tile, so no reduction and barrier sit between its weight loads
     (sm_90: 30-32 registers, as without it). Measured on the H200 (docs/benchmarks.md, session 19,
     same call): Ouro-1.4B 3.583 vs 3.764 ms/token, Nanbeige 3.678 vs 3.847. A one-row weight whose
-    row fits one 2048-long run and whose 2-column grid fills at most half the resident programs
-    (``_fills_half_a_wave``) takes 4 columns per program, the whole row in one run and 8 warps: Ouro's
-    o projection (2048 x 2048, 1024 programs on 132 SMs), Ouro-1.4B 3.448 against 3.491 ms/token
-    end to end on the H200 (docs/benchmarks.md, session 22; the only shape measured with it)."""
+    2-column grid fills at most half the resident programs (``_fills_half_a_wave``) takes 4 columns
+    per program, 2048-long runs and 8 warps: Ouro's o and down projections (2048 x 2048 and
+    2048 x 5632, 1024 programs on 132 SMs). End to end (docs/benchmarks.md): the o tile gave Ouro-1.4B
+    3.448 against 3.491 ms/token on the H200 (session 22), the down tile 4.351 against 4.372-4.375 on
+    the H100 (session 23); on Ouro's q/k/v and gate/up GEMVs (grids of 1536 and 2816 such programs)
+    the same tile was 1-3% slower."""
     dot = m > 1
     acc_2d, warps = False, 4
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
@@ -304,7 +306,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
             block_n, block_k = 16, (256 if dtype != torch.float32 else 64) // (2 if silu_mul else 1)
         elif dtype == torch.float32:
             block_n, block_k = 2, 256
-        elif k <= 2048 and _fills_half_a_wave(n // 2, device):
+        elif _fills_half_a_wave(n // 2, device):
             block_n, block_k, warps = 4, 2048, 8
         else:
             block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
