@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending77|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending78|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -845,11 +845,11 @@ if [[ $what == pending76 ]]; then
   done
 fi
 if [[ $what == pending77 ]]; then
-  # session 23 (issue 4): the 4-column 2048-long 8-warp tiles now also on Ouro's down projection (pending76,
-  # H100: 4.351 against 4.372-4.375 ms/token). GPU tests of the GEMV, the engine and its self-speculation
-  # (prefill graphs on by default), the new down tile against the old one alternating, all four models
-  # (the headline table), the default prefill buckets' capture time and memory, Ouro-2.6B with the old
-  # o and down tiles (~9.5 min)
+  # session 23 (issues 4, 3): the 4-column 2048-long 8-warp tiles now also on Ouro's down projection
+  # (pending76, H100: 4.351 against 4.372-4.375 ms/token). GPU tests of the GEMV, the engine and its
+  # self-speculation (prefill graphs on by default), the new down tile against the old one alternating,
+  # the attention tables with the gather + SDPA columns, the default prefill buckets' capture time and
+  # memory (~9.5 min; the four-model table is pending78)
   timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_engine_gpu.py \
     tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
@@ -859,12 +859,18 @@ if [[ $what == pending77 ]]; then
     RLT_GEMV_CONFIG=$cfg timeout 40 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
+  timeout 180 python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1
+  tail -1 "$OUT/attention.log"; grep -E "^\|" "$OUT/attention.md" | head -40
+  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
+    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
+fi
+if [[ $what == pending78 ]]; then
+  # session 23 (issue 4): all four models on the new tree (the headline table), Ouro-2.6B with the o and
+  # down tiles before session 22 (~4.5 min)
   timeout 190 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/bench_all.md" \
     2>&1 | grep "graphs .* ms/token"
   grep -E "^\| (Ouro|Nanbeige|Huginn)" "$OUT/bench_all.md"
-  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
-    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
-  old="only_n=2048,only_k=2048,block_n=2,block_k=1024,warps=4;$old_down"
+  old="only_n=2048,only_k=2048,block_n=2,block_k=1024,warps=4;only_n=2048,only_k=5632,block_n=2,warps=4"
   echo "== Ouro-2.6B, RLT_GEMV_CONFIG=$old (the o and down tiles before session 22)"
   RLT_GEMV_CONFIG=$old timeout 50 python3 -m rlt_compile.bench --model ouro-2.6b --eager-steps 0 --compiled-steps 0 \
     2>&1 | grep "graphs .* ms/token"
