@@ -845,22 +845,26 @@ if [[ $what == pending76 ]]; then
   done
 fi
 if [[ $what == pending77 ]]; then
-  # session 23 (issues 4, 3): the 4-column 2048-long 8-warp tiles now also on Ouro's down projection
+  # session 23 (issue 4): the 4-column 2048-long 8-warp tiles now also on Ouro's down projection
   # (pending76, H100: 4.351 against 4.372-4.375 ms/token). GPU tests of the GEMV, the engine and its
   # self-speculation (prefill graphs on by default), the new down tile against the old one alternating,
-  # the attention tables with the gather + SDPA columns, the default prefill buckets' capture time and
-  # memory (~9.5 min; the four-model table is pending78)
+  # the same tile on Nanbeige's o and down (3072 x 6144 / 10752: 768 such programs, all resident), the
+  # default prefill buckets' capture time and memory (~8.5 min; pending78: the four-model table)
   timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_engine_gpu.py \
     tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   old_down="only_n=2048,only_k=5632,block_n=2,warps=4"
   for cfg in "" "$old_down" "" "$old_down"; do
-    echo "== RLT_GEMV_CONFIG=$cfg"
+    echo "== Ouro-1.4B, RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 40 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
-  timeout 180 python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1
-  tail -1 "$OUT/attention.log"; grep -E "^\|" "$OUT/attention.md" | head -40
+  wide="block_n=4,block_k=2048,warps=8"
+  for cfg in "" "only_n=3072,only_k=6144,$wide;only_n=3072,only_k=10752,$wide" ""; do
+    echo "== Nanbeige, RLT_GEMV_CONFIG=$cfg"
+    RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model nanbeige4.2-3b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
   timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
     --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
 fi
