@@ -790,44 +790,9 @@ from rlt_compile import bench; bench.main(sys.argv[1:])" --model ouro-1.4b --eag
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
 fi
-if [[ $what == pending74 ]]; then
-  # session 22 (issue 4): GPU tests after the defaults changed (the o projection's 4-column tiles, prefill
-  # graphs in every engine with use_cuda_graphs), the default prefill buckets' capture time, memory and
-  # replays (prompts of 16-2000 tokens), all four models on the new tree and Ouro-2.6B with the old o
-  # tiles (~8 min)
-  timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_graphs_gpu.py \
-    tests/test_engine_gpu.py tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
-  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
-    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
-  timeout 150 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/bench_all.md" \
-    2>&1 | grep "graphs .* ms/token"
-  grep -E "^\| (Ouro|Nanbeige|Huginn)" "$OUT/bench_all.md"
-  old_o="only_n=2048,only_k=2048,block_n=2,block_k=1024,warps=4"
-  echo "== Ouro-2.6B, RLT_GEMV_CONFIG=$old_o (the o tiles before session 22)"
-  RLT_GEMV_CONFIG=$old_o timeout 60 python3 -m rlt_compile.bench --model ouro-2.6b --eager-steps 0 --compiled-steps 0 \
-    2>&1 | grep "graphs .* ms/token"
-fi
-if [[ $what == pending75 ]]; then
-  # session 22 (issue 4): the o projection's 4-column whole-row 8-warp tiles on Ouro-1.4B's other GEMVs
-  # end to end (the chain had understated the o projection's gain: 0.8-1.0% there, 1.3% end to end):
-  # down (2048 x 5632, 2048-long runs), q/k/v with its rotary epilogue (6144 x 2048), gate/up with the
-  # SwiGLU epilogue (11264 x 2048), each next to a default run. Why the o tile may win: a program reads
-  # its first block_n x block_k tile before its PDL wait, i.e. while the attention still runs, and with
-  # 4 x 2048 x 512 programs (all resident) that is the whole 8 MB weight; 2 x 1024 read half of it. So also
-  # the down projection with 4096-long first runs and 8 warps (1024 programs, 8 per SM: all resident,
-  # 16 of its 23 MB before the wait; default 8 MB) (~7 min)
-  down="only_n=2048,only_k=5632"; qkv="only_n=6144,only_k=2048"; gate_up="only_n=11264,only_k=2048"
-  for cfg in "" "$down,block_n=4,warps=8" "" "$down,block_k=4096,warps=8" "" "$qkv,block_n=4,block_k=2048,warps=8" \
-      "" "$gate_up,block_n=4,block_k=2048,warps=8" "$down,block_k=4096,warps=8"; do
-    echo "== RLT_GEMV_CONFIG=$cfg"
-    RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
-      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
-  done
-fi
 if [[ $what == pending76 ]]; then
-  # session 23 (issue 4): pending75 in one call with GPU tests of the GEMV and graphs after the o tile's
-  # new default: Ouro-1.4B end to end with the o projection's 4-column whole-row 8-warp tiles on the down
+  # session 23 (issue 4): session 22's pending75 in one call with GPU tests of the GEMV and graphs after the
+  # o tile's new default (pending74 / 75 became pending76-78): Ouro-1.4B end to end with the o projection's 4-column whole-row 8-warp tiles on the down
   # (also 4096-long runs), q/k/v (rotary epilogue) and gate/up (SwiGLU epilogue) GEMVs, one shape at a time
   # and together (RLT_GEMV_CONFIG entries separated by ';'), default runs between them (~9 min)
   timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_graphs_gpu.py \
