@@ -10,8 +10,8 @@ Set compiled here (representative but complete, < 2 min on 2 cores): every kerne
 (fp16, bf16, fp32) x every batch mode (prefill, decode, split-K decode: all tile configurations the
 launchers choose) for the MHA workload (Ouro), plus the GQA workload (Nanbeige 48/8, a KV plane over
 2 GiB, which changes the AMD buffer-op specialisation) in bf16, Ouro's bf16 decode at a
-208-position table (the short-context 16-key tiles) and Huginn's bf16 decode GEMVs (2048-long runs). The full matrix of all workloads is
-``python -m rlt_compile.kernels.aot --jobs 2``.
+208-position table (the short-context 16-key tiles) and Huginn's bf16 decode GEMVs (2048-long runs).
+The full matrix of all workloads is ``python -m rlt_compile.kernels.aot --jobs 2``.
 """
 
 from __future__ import annotations
