@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending78|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending79|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -843,5 +843,17 @@ if [[ $what == pending78 ]]; then
   echo "== Ouro-2.6B, RLT_GEMV_CONFIG=$old (the o and down tiles before session 22)"
   RLT_GEMV_CONFIG=$old timeout 50 python3 -m rlt_compile.bench --model ouro-2.6b --eager-steps 0 --compiled-steps 0 \
     2>&1 | grep "graphs .* ms/token"
+fi
+if [[ $what == pending79 ]]; then
+  # session 23 (issue 4): Ouro-1.4B's q/k/v and gate/up GEMVs with 2048-long runs (the whole row; 2 columns,
+  # 4 warps: 10 programs per SM, so 1.2 / 2.1 waves against 0.7 / 1.3 with 1024-long runs), end to end
+  # next to default runs (the decode chain of sessions 13-14 found no tile better, but it had also
+  # understated the o tile's gain) (~4 min)
+  qkv="only_n=6144,only_k=2048,block_k=2048"; gate_up="only_n=11264,only_k=2048,block_k=2048"
+  for cfg in "" "$qkv" "$gate_up" "" "$qkv;$gate_up" ""; do
+    echo "== RLT_GEMV_CONFIG=$cfg"
+    RLT_GEMV_CONFIG=$cfg timeout 40 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
 fi
 exit 0
