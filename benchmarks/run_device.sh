@@ -812,14 +812,14 @@ fi
 if [[ $what == pending77 ]]; then
   # session 23 (issue 4): the 4-column 2048-long 8-warp tiles now also on Ouro's down projection
   # (pending76, H100: 4.351 against 4.372-4.375 ms/token). GPU tests of the GEMV, the engine and its
-  # self-speculation (prefill graphs on by default), the new down tile against the old one alternating,
-  # the same tile on Nanbeige's o and down (3072 x 6144 / 10752: 768 such programs, all resident), the
-  # default prefill buckets' capture time and memory (~8 min; pending78: the four-model table)
-  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_engine_gpu.py \
+  # self-speculation (prefill graphs on by default), the new down tile against the old one, the same tile
+  # on Nanbeige's o and down (3072 x 6144 / 10752: 768 such programs, all resident) (~5 min, what the
+  # session's device budget had left; pending78: the four-model table and the prefill buckets' capture)
+  timeout 130 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_engine_gpu.py \
     tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   old_down="only_n=2048,only_k=5632,block_n=2,warps=4"
-  for cfg in "" "$old_down" ""; do
+  for cfg in "" "$old_down"; do
     echo "== Ouro-1.4B, RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 40 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
@@ -830,15 +830,16 @@ if [[ $what == pending77 ]]; then
     RLT_GEMV_CONFIG=$cfg timeout 45 python3 -m rlt_compile.bench --model nanbeige4.2-3b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
-  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
-    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
 fi
 if [[ $what == pending78 ]]; then
-  # session 23 (issue 4): all four models on the new tree (the headline table), Ouro-2.6B with the o and
-  # down tiles before session 22 (~4.5 min)
+  # session 23 (issue 4): all four models on the new tree (the headline table), the default prefill
+  # buckets' capture time, memory and replays (prompts of 16-2000 tokens), Ouro-2.6B with the o and down
+  # tiles before session 22 (~6.5 min)
   timeout 190 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/bench_all.md" \
     2>&1 | grep "graphs .* ms/token"
   grep -E "^\| (Ouro|Nanbeige|Huginn)" "$OUT/bench_all.md"
+  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
+    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
   old="only_n=2048,only_k=2048,block_n=2,block_k=1024,warps=4;only_n=2048,only_k=5632,block_n=2,warps=4"
   echo "== Ouro-2.6B, RLT_GEMV_CONFIG=$old (the o and down tiles before session 22)"
   RLT_GEMV_CONFIG=$old timeout 50 python3 -m rlt_compile.bench --model ouro-2.6b --eager-steps 0 --compiled-steps 0 \
