@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests, then the benchmarks; logs go to $OUT.
 # Usage (device tool, carry [".whl"] made by ../shared/tools/device-wheels.sh):
-#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending79|all] [extra pytest args]
+#   bash benchmarks/run_device.sh [tests|bench|more|final|pending1..pending80|all] [extra pytest args]
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pending1 / pending2: what was written but not yet run or timed on a GPU (~8 / ~7 minutes; docs/benchmarks.md)
@@ -853,6 +853,17 @@ if [[ $what == pending79 ]]; then
   qkv="only_n=6144,only_k=2048,block_k=2048"; gate_up="only_n=11264,only_k=2048,block_k=2048"
   for cfg in "" "$qkv" "$gate_up" "" "$qkv;$gate_up" ""; do
     echo "== RLT_GEMV_CONFIG=$cfg"
+    RLT_GEMV_CONFIG=$cfg timeout 40 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
+      --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
+  done
+fi
+if [[ $what == pending80 ]]; then
+  # session 23 (issue 4), the last ~2.5 minutes of its device budget: the GEMV's GPU parity with the new down
+  # tile, then Ouro-1.4B with it and with the old one (pending77 without the engine tests and Nanbeige)
+  timeout 75 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  for cfg in "" "only_n=2048,only_k=5632,block_n=2,warps=4"; do
+    echo "== Ouro-1.4B, RLT_GEMV_CONFIG=$cfg"
     RLT_GEMV_CONFIG=$cfg timeout 40 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 \
       --compiled-steps 0 2>&1 | grep "graphs .* ms/token"
   done
