@@ -18,6 +18,10 @@ tok/s, ms/token, % of the bandwidth floor (bytes read per token - loop weights o
 the rest once - over the copy bandwidth measured in the same run), % of design.md's yardstick,
 speedup over eager, compile time (first compiled call) and graph-capture time.
 
+``--variant RLT_GEMV_CONFIG=...`` (or ``RLT_ATTENTION_CONFIG``, repeatable) also times the graphs
+under other launcher configs in the same process, interleaved with the baseline for ``--rounds``
+rounds (``bench_variants.py``).
+
 ``--device cpu --tiny`` runs the same code on tiny configs without graphs (a smoke test). ``--table N``
 sizes the block table for N positions, as an engine's is for its max model length (the default
 describes just the context and the decoded tokens); the GQA decode attention's split count follows
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from rlt_compile.bench_variants import parse_variant, run_variants, variants_table
 from rlt_compile.kernels.metadata import build_metadata
 
 BLOCK_SIZE = 16
@@ -209,6 +214,7 @@ class Result:
     first_call_s: float | None = None
     capture_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    variants: str | None = None  # --variant's table (bench_variants.py)
 
 
 class Decoder:
@@ -262,6 +268,17 @@ class Decoder:
         self.length += count
         return token, elapsed / max(count, 1)
 
+    def measure_from(self, step, token: torch.Tensor, start: int, count: int, sync) -> tuple[float, torch.Tensor]:
+        """The logits of one step from ``token`` at position ``start``, then s/token of ``count`` steps
+        from that position again (after 3 warm-up steps): the same positions whatever ran before."""
+        self.length = start
+        ((pos, meta),) = self.inputs(1)
+        logits = step(token, pos, meta).clone()  # a graph runner's output buffer is overwritten next step
+        self.decode(step, token, 3, sync)
+        self.length = start
+        _, per = self.decode(step, token, count, sync)
+        return per, logits
+
 
 def bench_model(name: str, args, device: torch.device, bandwidth: float | None) -> Result:
     from rlt_compile.compiler import compile_model
@@ -294,6 +311,7 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
 
     with torch.no_grad():
         token = dec.prefill(model)
+        start, first_token = dec.length, token
         if args.eager_steps:
             token, _ = dec.decode(plain(model), token, 1, sync)  # warm-up
             token, per = dec.decode(plain(model), token, args.eager_steps, sync)
@@ -339,6 +357,23 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
                     )
                 except Exception as e:  # a profiler problem must not lose the timings
                     result.notes.append(f"profile failed: {type(e).__name__}: {e}")
+        if args.variant:
+
+            def fresh_step():
+                """Graphs captured under the variables now set (the compiled step off the GPU)."""
+                if not is_gpu:
+                    return plain(cm)
+                graphs = CudaGraphRunner(
+                    cm.run_compiled, dec.planes, max_num_seqs=1, max_blocks_per_seq=dec.blocks, step_options=options
+                ).capture()
+                return lambda ids, pos, meta: graphs(ids, pos, meta, dec.rows)
+
+            def measure():
+                per, logits = dec.measure_from(fresh_step(), first_token, start, args.steps, sync)
+                return per * 1e3, logits
+
+            result.variants = variants_table(*run_variants(measure, args.variant, args.rounds))
+            log.info("%s: %s", name, result.variants)
     return result
 
 
@@ -460,6 +495,7 @@ def markdown(results: list[Result], bandwidth: float | None, device_name: str, a
         )
     notes = [f"- {r.model}: {n}" for r in results for n in r.notes]
     lines += ["", *notes] if notes else []
+    lines += [line for r in results if r.variants for line in ("", f"{r.model}. {r.variants}")]
     lines += [
         "",
         "Floor: weights read per token (loop weights once per loop step, the rest once) / measured copy "
@@ -468,6 +504,13 @@ def markdown(results: list[Result], bandwidth: float | None, device_name: str, a
         "",
     ]
     return "\n".join(lines)
+
+
+def _variant_argument(spec: str):
+    try:
+        return parse_variant(spec)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,6 +548,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="engine-level profile instead: sync vs async scheduling, GPU-busy fraction per step, launches per token",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        type=_variant_argument,
+        default=[],
+        metavar="NAME=VALUE",
+        help="also time the graphs with RLT_ATTENTION_CONFIG or RLT_GEMV_CONFIG set to VALUE, in this process, "
+        "interleaved with the baseline (repeatable; docs/benchmarks.md, 'A/B in one process')",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--variant: rounds over the baseline and variants")
     parser.add_argument("--batches", default="1,32,128", help="--engine-profile batch sizes")
     parser.add_argument("--engine-steps", type=int, default=16, help="--engine-profile: decode steps per run")
     parser.add_argument(
@@ -514,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         help="default: graphs (GPU), eager (CPU)",
     )
     args = parser.parse_args(argv)
+    if args.variant and (args.steps < 1 or args.rounds < 1):
+        parser.error("--variant needs --steps and --rounds of at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("rlt_compile.passes").setLevel(logging.WARNING)
     names = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",")]
