@@ -82,14 +82,27 @@ def test_a_failing_variant_is_reported_and_skipped_the_baseline_error_raised(mon
         run_variants(broken, variants, rounds=1)
 
 
-def test_bench_times_variants_from_the_same_position(capsys):
+def test_bench_times_variants_from_the_same_position(capsys, monkeypatch):
     """On the CPU the variables change nothing (the torch reference attention and linears), so every
     measurement's first step must give the baseline's logits exactly: it starts from the same token at
-    the same position after the earlier measurements decoded past it."""
+    the same position after the earlier measurements decoded past it. The variants reuse the compiled
+    model: Dynamo traces no new graph while they run."""
+    from torch._dynamo.utils import counters
+
+    new_graphs = []
+
+    def counting(measure, variants, rounds):
+        before = counters["stats"]["unique_graphs"]
+        out = run_variants(measure, variants, rounds)
+        new_graphs.append(counters["stats"]["unique_graphs"] - before)
+        return out
+
+    monkeypatch.setattr(bench, "run_variants", counting)
     argv = ["--device", "cpu", "--tiny", "--dtype", "float32", "--model", "ouro-1.4b", "--eager-steps", "0"]
     argv += ["--compiled-steps", "0", "--steps", "4", "--rounds", "2", "--variant", "RLT_ATTENTION_CONFIG=block_n=16"]
     assert bench.main(argv + ["--variant", "RLT_GEMV_CONFIG=only_n=64,block_n=4"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| baseline", "| RLT_"))]
+    assert new_graphs == [0]
     assert len(rows) == 6 and rows[:3] == rows[3:], rows  # the model's table, then the whole run's
     for row in rows[:3]:
         per_round, diff = row.split("|")[2], row.split("|")[5]
