@@ -72,19 +72,20 @@ if [[ $what == pending81 ]]; then
   echo "bench rc=$?"; grep -E "^(\| (ouro|nanbeige|huginn)|ouro|nanbeige|\| (baseline|RLT_))" "$OUT/bench_variants.md"
   timeout 90 python3 -m rlt_compile.bench --model huginn-0125 --eager-steps 1 --compiled-steps 0 2>&1 \
     | grep -E "^\| huginn" | head -1
-  # a cheap sweep of the other GEMV knobs per Ouro projection (q/k/v, gate/up: warps, stages; o, down: the
-  # 4-column tile with 4 warps, and down with 1024-long runs)
+  # a cheap sweep of the other GEMV knobs per Ouro projection (q/k/v, gate/up: warps, stages, 4 columns
+  # of 1024-long runs in 4 warps; o, down: the 4-column tile with 4 warps, and down with 1024-long runs)
   qkv="only_n=6144,only_k=2048"; gate_up="only_n=11264,only_k=2048"; o="only_n=2048,only_k=2048"
   down="only_n=2048,only_k=5632"
   timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
     --variant "RLT_GEMV_CONFIG=$qkv,warps=8" --variant "RLT_GEMV_CONFIG=$qkv,stages=2" \
     --variant "RLT_GEMV_CONFIG=$gate_up,warps=8" --variant "RLT_GEMV_CONFIG=$gate_up,stages=2" \
     --variant "RLT_GEMV_CONFIG=$o,warps=4" --variant "RLT_GEMV_CONFIG=$down,warps=4" \
-    --variant "RLT_GEMV_CONFIG=$down,block_k=1024" 2>&1 | grep -E "^\| (baseline|RLT_)" | head -8
+    --variant "RLT_GEMV_CONFIG=$down,block_k=1024" --variant "RLT_GEMV_CONFIG=$qkv,block_n=4" \
+    --variant "RLT_GEMV_CONFIG=$gate_up,block_n=4" 2>&1 | grep -E "^\| (baseline|RLT_)" | head -10
   timeout 80 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
     --variant RLT_ATTENTION_CONFIG=early_exit=1 --variant RLT_ATTENTION_CONFIG=splits=16 \
-    --variant RLT_ATTENTION_CONFIG=splits=64 --variant RLT_ATTENTION_CONFIG=block_n=64 2>&1 \
-    | grep -E "^\| (baseline|RLT_)" | head -5
+    --variant RLT_ATTENTION_CONFIG=splits=64 --variant RLT_ATTENTION_CONFIG=block_n=64 \
+    --variant RLT_ATTENTION_CONFIG=block_n=32 2>&1 | grep -E "^\| (baseline|RLT_)" | head -6
   timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
     --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
 fi
