@@ -90,10 +90,15 @@ if [[ $what == pending81 ]]; then
     --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
 fi
 if [[ $what == pending82 ]]; then
-  # session 24 (issue 3, ~7 min): the attention table with the gather + SDPA columns (session 22), then
-  # pending63's TMA prefill softmax options (fold_scale, rescale_slack): GPU parity and the op's time
+  # session 24 (issue 3, ~8 min): the attention table with the gather + SDPA columns (session 22), the Gluon
+  # prefill probe, then pending63's TMA prefill softmax options (fold_scale, rescale_slack): GPU parity and
+  # the op's time
   timeout 200 python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1
   echo "attention_bench rc=$?"; grep -E "^\|" "$OUT/attention.md" | head -60
+  # session 24: the Gluon prefill probe (FlashAttention-3's order: the PV product in flight during the softmax),
+  # parity with SDPA and TFLOP/s for three tile configs against SDPA on fresh causal prompts
+  timeout 150 python3 benchmarks/gluon_prefill_probe.py > "$OUT/gluon_prefill.log" 2>&1
+  echo "gluon probe rc=$?"; grep -E "^(\||bf16|error|Traceback)" "$OUT/gluon_prefill.log"; tail -3 "$OUT/gluon_prefill.log"
   timeout 90 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_tma.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
