@@ -50,13 +50,13 @@ if [[ $what == final ]]; then
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending81 ]]; then
-  # session 24 (issue 4, ~8 min): what pending77-80 and pending62 were to measure, as in-process variants
+  # session 24 (issue 4, ~7 min): what pending77-80 and pending62 were to measure, as in-process variants
   # (bench --variant: one build and compile per model, graphs recaptured per config, baseline interleaved).
   # GPU tests of the GEMV (the down projection's new default tile), the engine (prefill graphs on by
   # default) and its self-speculation; the headline table with eager; the GEMV tiles before sessions 22/23
   # (o and down, and down alone), Ouro's q/k/v and gate/up with 2048-long runs, the 4-column tile on
-  # Nanbeige's o and down (768 programs, all resident); Ouro-1.4B's decode attention options; the
-  # default prefill buckets' capture time, memory and replays
+  # Nanbeige's o and down (768 programs, all resident); Ouro-1.4B's decode attention options (the prefill
+  # buckets' capture: pending83)
   timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv.py tests/test_engine_gpu.py \
     tests/test_engine_speculative.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
@@ -86,8 +86,6 @@ if [[ $what == pending81 ]]; then
     --variant RLT_ATTENTION_CONFIG=early_exit=1 --variant RLT_ATTENTION_CONFIG=splits=16 \
     --variant RLT_ATTENTION_CONFIG=splits=64 --variant RLT_ATTENTION_CONFIG=block_n=64 \
     --variant RLT_ATTENTION_CONFIG=block_n=32 2>&1 | grep -E "^\| (baseline|RLT_)" | head -6
-  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
-    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
 fi
 if [[ $what == pending82 ]]; then
   # session 24 (issue 3, ~8 min): the attention table with the gather + SDPA columns (session 22), the Gluon
@@ -106,11 +104,14 @@ if [[ $what == pending82 ]]; then
 fi
 if [[ $what == pending83 ]]; then
   # session 20's short-context tile sweep around the 256-position threshold (pending66's last part, which
-  # ran past its 150 s limit on an H100) (~4 min)
+  # ran past its 150 s limit on an H100), then the default prefill buckets' capture (~6 min)
   timeout 230 python3 benchmarks/attention_bench.py --sweep --no-table --models Ouro,Nanbeige \
     --cases 1x128,1x256,1x512,8x128,8x256 --extra "block_n=64;block_n=16" --out "$OUT/sweep_short.md" \
     > "$OUT/sweep_short.log" 2>&1
   grep -E "\| (default|block_n=64|block_n=16) \|" "$OUT/sweep_short.md"
+  # session 23 (issue 4): the default prefill buckets' capture time, memory and replays (prompts of 16-2000 tokens)
+  timeout 100 python3 benchmarks/prefill_graph_bench.py --model ouro-1.4b --engine-defaults --lengths 16,128,512,1000,2000 \
+    --mixed 0 --reps 3 --out "$OUT/prefill_graph_defaults.md" 2>&1 | grep -E "^(\||Prefill|error)"
 fi
 if [[ $what == pending61 ]]; then
   # prepared in session 17 (issue 3): decode is 0.93-1.00x SDPA, widest at bandwidth-bound MHA (Ouro batch
