@@ -73,15 +73,17 @@ if [[ $what == pending81 ]]; then
   timeout 90 python3 -m rlt_compile.bench --model huginn-0125 --eager-steps 1 --compiled-steps 0 2>&1 \
     | grep -E "^\| huginn" | head -1
   # a cheap sweep of the other GEMV knobs per Ouro projection (q/k/v, gate/up: warps, stages, 4 columns
-  # of 1024-long runs in 4 warps; o, down: the 4-column tile with 4 warps, and down with 1024-long runs)
+  # of 1024-long runs in 4 warps; o, down: the 4-column tile with 4 warps, and down with 1024- and 4096-long
+  # runs: more of its row read before the PDL wait)
   qkv="only_n=6144,only_k=2048"; gate_up="only_n=11264,only_k=2048"; o="only_n=2048,only_k=2048"
   down="only_n=2048,only_k=5632"
   timeout 120 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
     --variant "RLT_GEMV_CONFIG=$qkv,warps=8" --variant "RLT_GEMV_CONFIG=$qkv,stages=2" \
     --variant "RLT_GEMV_CONFIG=$gate_up,warps=8" --variant "RLT_GEMV_CONFIG=$gate_up,stages=2" \
     --variant "RLT_GEMV_CONFIG=$o,warps=4" --variant "RLT_GEMV_CONFIG=$down,warps=4" \
-    --variant "RLT_GEMV_CONFIG=$down,block_k=1024" --variant "RLT_GEMV_CONFIG=$qkv,block_n=4" \
-    --variant "RLT_GEMV_CONFIG=$gate_up,block_n=4" 2>&1 | grep -E "^\| (baseline|RLT_)" | head -10
+    --variant "RLT_GEMV_CONFIG=$down,block_k=1024" --variant "RLT_GEMV_CONFIG=$down,block_k=4096" \
+    --variant "RLT_GEMV_CONFIG=$qkv,block_n=4" \
+    --variant "RLT_GEMV_CONFIG=$gate_up,block_n=4" 2>&1 | grep -E "^\| (baseline|RLT_)" | head -11
   timeout 80 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
     --variant RLT_ATTENTION_CONFIG=early_exit=1 --variant RLT_ATTENTION_CONFIG=splits=16 \
     --variant RLT_ATTENTION_CONFIG=splits=64 --variant RLT_ATTENTION_CONFIG=block_n=64 \
