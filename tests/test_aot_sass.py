@@ -9,17 +9,13 @@ records, for the variants an H200 launches (PDL mode 2, Ouro-1.4B's shapes, bf16
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import triton
 
 from rlt_compile.kernels import aot, gemv, rmsnorm
 from rlt_compile.platform import Platform
 
-NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-pytestmark = pytest.mark.skipif(not NVDISASM.exists(), reason="this Triton wheel ships no nvdisasm")
+pytestmark = pytest.mark.skipif(not aot.nvdisasm_path().exists(), reason="this Triton wheel ships no nvdisasm")
 
 
 def _orders(kernel: str, mode: str = "decode", **constexprs) -> list[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlt_compile.kernels import aot
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -39,10 +41,7 @@ def test_benchmark_smoke_mode_runs_and_checks_its_kernels(script, args, expected
         assert errors and max(errors) < 1e-4, rows
 
 
-NVDISASM = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-
-
-@pytest.mark.skipif(not NVDISASM.exists(), reason="this Triton wheel ships no nvdisasm")
+@pytest.mark.skipif(not aot.nvdisasm_path().exists(), reason="this Triton wheel ships no nvdisasm")
 def test_gluon_prefill_probe_compiles_for_sm90_with_its_overlap():
     """The Gluon prefill probe (issue 3) compiled offline for sm_90: no spills, no wgmma serialized
     by ptxas, and in its key loop the tile's eight score wgmmas and the previous tile's four PV

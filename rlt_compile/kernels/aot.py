@@ -675,17 +675,21 @@ def compile_specialisation(spec: Specialisation, kind: str, arch: str, target=No
     return report
 
 
-def disassemble(cubin: bytes) -> str:
-    """The SASS of a cubin, through the ``nvdisasm`` that ships in the Triton wheel."""
-    import subprocess
-
+def nvdisasm_path() -> Path:
+    """The ``nvdisasm`` that ships in the Triton wheel (some wheels have none)."""
     import triton
 
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin, through ``nvdisasm_path()``."""
+    import subprocess
+
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(nvdisasm_path()), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 _SASS_MEMORY_OPS = (
