@@ -42,6 +42,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_bench import bench  # noqa: E402  (the attention table's timer)
+
 LOG2E = 1.4426950408889634
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -207,26 +210,19 @@ def compile_offline(block_m, block_n, stages, warps, sass_out: Path | None) -> i
     """Compile for sm_90 without a GPU (meta tensors for the signature) and report registers,
     spills, shared memory and the order of the key loop's wgmma issues and waits."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
 
-    from rlt_compile.kernels.aot import _parse_ptxas_log, _ptxas_rerun, disassemble
+    from rlt_compile.kernels.aot import Launch, _bind, _parse_ptxas_log, _ptxas_rerun, disassemble, gpu_target
 
-    target = GPUTarget("cuda", 90, 32)
+    target = gpu_target("cuda", "sm_90")
     q = torch.empty(1, 1024, 16, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 1024, 16, 128, dtype=torch.bfloat16, device="meta")
     out = torch.empty_like(q)
-    _, args, kwargs = _launch_args(q, k, k, out, 128**-0.5, block_m, block_n, stages, warps)
-    backend = make_backend(target)
-    binder = create_function_from_signature(_attn_fwd.signature, _attn_fwd.params, backend)
-    bound, specialization, options = binder(*args, **kwargs, num_warps=warps)
-    _, signature, constexprs, attrs = _attn_fwd._pack_args(
-        backend, {"num_warps": warps}, bound, specialization, options
-    )
-    source = GluonASTSource(_attn_fwd, signature, constexprs, attrs)
-    kernel = triton.compile(source, target=target, options={"num_warps": warps})
+    grid, args, kwargs = _launch_args(q, k, k, out, 128**-0.5, block_m, block_n, stages, warps)
+    launch = Launch(f"{__name__}._attn_fwd", _attn_fwd, args, {**kwargs, "num_warps": warps}, grid, "probe")
+    spec = _bind(launch, target)  # the signature kernel[grid](...) would compile on an sm_90 GPU
+    source = GluonASTSource(_attn_fwd, spec.signature, spec.constexprs, spec.attrs)
+    kernel = triton.compile(source, target=target, options=dict(spec.options))
     sass = disassemble(kernel.asm["cubin"])
     if sass_out:
         sass_out.write_text(sass)
@@ -251,25 +247,13 @@ def compile_offline(block_m, block_n, stages, warps, sass_out: Path | None) -> i
     return 0
 
 
-def _time(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # us
-
-
 def run_gpu(cases, tiles: list[tuple[int, int, int, int]]) -> int:
-    """Each case: parity with SDPA (bf16), then the time of each tile config and of SDPA."""
+    """Each case: parity with SDPA (bf16), then the time of each tile config and of SDPA, with the
+    attention table's timer (``attention_bench.bench``: median CUDA-graph replay, L2 flushed)."""
     names = [f"m{m} n{n} s{st} w{w}" for m, n, st, w in tiles]
     print("| case | " + " | ".join(f"{name} us (TFLOP/s)" for name in names) + " | SDPA us (TFLOP/s) | best vs SDPA |")
     print("|---|" + "---|" * (len(tiles) + 2))
-    worst = 0.0
+    worst, device = 0.0, torch.device("cuda")
     for label, batch, seq, heads, kv_heads in cases:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(batch, seq, heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -291,11 +275,13 @@ def run_gpu(cases, tiles: list[tuple[int, int, int, int]]) -> int:
             out = gluon_attention(q, k, v, scale, *tile)
             err = (out.float() - ref).abs().max().item()
             worst = max(worst, err)
-            us = _time(lambda tile=tile, q=q, k=k, v=v, scale=scale: gluon_attention(q, k, v, scale, *tile))
+            us = 1e3 * bench(
+                lambda tile=tile, q=q, k=k, v=v, scale=scale: gluon_attention(q, k, v, scale, *tile), device
+            )
             best = min(best, us)
             flag = f" ERR {err:.1e}" if err > 3e-2 else ""
             cells.append(f"{us:.1f} ({flops / us / 1e6:.0f}){flag}")
-        t_sdpa = _time(sdpa)
+        t_sdpa = 1e3 * bench(sdpa, device)
         print(f"| {label} | {' | '.join(cells)} | {t_sdpa:.1f} ({flops / t_sdpa / 1e6:.0f}) | {t_sdpa / best:.2f}x |")
     print(f"bf16 max abs error against SDPA, every config: {worst:.2e}")
     return 0 if worst < 3e-2 else 1
