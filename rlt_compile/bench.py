@@ -309,6 +309,14 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
     def plain(fn):
         return lambda ids, pos, meta: fn(ids, pos, dec.planes, meta, dec.rows, **options)
 
+    def graphs(cm):
+        """The compiled step captured as CUDA graphs (under the launcher variables now set): the
+        runner and a step replaying it."""
+        runner = CudaGraphRunner(
+            cm.run_compiled, dec.planes, max_num_seqs=1, max_blocks_per_seq=dec.blocks, step_options=options
+        ).capture()
+        return runner, lambda ids, pos, meta: runner(ids, pos, meta, dec.rows)
+
     with torch.no_grad():
         token = dec.prefill(model)
         start, first_token = dec.length, token
@@ -335,15 +343,8 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
             result.compiled_ms = per * 1e3
             log.info("%s: compiled %.2f ms/token", name, result.compiled_ms)
         if is_gpu and args.steps:
-            runner = CudaGraphRunner(
-                cm.run_compiled, dec.planes, max_num_seqs=1, max_blocks_per_seq=dec.blocks, step_options=options
-            )
-            runner.capture()
+            runner, replay = graphs(cm)
             result.capture_s = runner.capture_seconds
-
-            def replay(ids, pos, meta):
-                return runner(ids, pos, meta, dec.rows)
-
             token, _ = dec.decode(replay, token, 3, sync)
             token, per = dec.decode(replay, token, args.steps, sync)
             result.graphs_ms = per * 1e3
@@ -359,17 +360,9 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float | None) 
                     result.notes.append(f"profile failed: {type(e).__name__}: {e}")
         if args.variant:
 
-            def fresh_step():
-                """Graphs captured under the variables now set (the compiled step off the GPU)."""
-                if not is_gpu:
-                    return plain(cm)
-                graphs = CudaGraphRunner(
-                    cm.run_compiled, dec.planes, max_num_seqs=1, max_blocks_per_seq=dec.blocks, step_options=options
-                ).capture()
-                return lambda ids, pos, meta: graphs(ids, pos, meta, dec.rows)
-
-            def measure():
-                per, logits = dec.measure_from(fresh_step(), first_token, start, args.steps, sync)
+            def measure():  # graphs captured afresh under the variant's variable (the compiled step off the GPU)
+                step = graphs(cm)[1] if is_gpu else plain(cm)
+                per, logits = dec.measure_from(step, first_token, start, args.steps, sync)
                 return per * 1e3, logits
 
             result.variants = variants_table(*run_variants(measure, args.variant, args.rounds))
