@@ -94,10 +94,11 @@ def test_acc_2d_gemv_issues_every_load_after_the_wait_before_its_reduction(monke
         tokens = _after_wait(order)  # x, a reduction, the second tile, its reduction
         assert "LDG" in tokens[tokens.index("BAR") :], order
     monkeypatch.delenv("RLT_GEMV_CONFIG")
-    # plain and SiLU prologue on the o and down projections (one kernel: 4 columns, 2048-long runs, 8 warps),
-    # the q/k/v with its rotary epilogue and gate/up with its SwiGLU epilogue (2 columns, 4 warps)
+    # plain and SiLU prologue on the o and down projections (4 columns, 8 warps; 2048-long runs for the o,
+    # 4096-long for the down), the q/k/v with its rotary epilogue and gate/up with its SwiGLU epilogue (2
+    # columns, 4 warps)
     orders = _orders("_gemv_kernel", BLOCK_M=1, ACC_2D=True)
-    assert len(orders) == 4, orders
+    assert len(orders) == 6, orders
     for order in orders:
         tokens = _after_wait(order)  # every load, then the reduction's barriers (1 with 4 warps), the store
         loads, bars = tokens.count("LDG"), tokens.count("BAR")

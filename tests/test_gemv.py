@@ -116,7 +116,7 @@ def test_one_row_tiles_follow_the_weight_row_length(monkeypatch):
     """2-column programs of 4 warps; 1024-long runs of the weight row, 2048-long from rows of 4096 on
     unless that splits a grid resident at once (16 programs per SM) into two waves (10 per SM). A
     2-column grid that fills at most half the resident programs: 4 columns, 2048-long runs (at most
-    the row), 8 warps."""
+    the row; 4096-long for rows over 4096), 8 warps."""
     monkeypatch.setattr(gemv, "sm_count", lambda device: 132)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     cases = [
@@ -127,7 +127,8 @@ def test_one_row_tiles_follow_the_weight_row_length(monkeypatch):
         (6144, 4096, 2, 2048, 4),
         (2048, 3072, 4, 2048, 8),  # 1024 programs: wide tiles whatever the row length
         (2048, 4096, 4, 2048, 8),
-        (2048, 5632, 4, 2048, 8),  # Ouro's down
+        (2048, 4097, 4, 4096, 8),
+        (2048, 5632, 4, 4096, 8),  # Ouro's down: rows over 4096 take 4096-long runs
         (3072, 6144, 2, 1024, 4),  # Nanbeige's o: 1536 programs, one wave only with short runs
         (3072, 10752, 2, 1024, 4),
         (5280, 17920, 2, 2048, 4),  # Huginn's down: 2640 programs, more than one wave either way

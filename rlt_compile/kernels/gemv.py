@@ -292,10 +292,12 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     same call): Ouro-1.4B 3.583 vs 3.764 ms/token, Nanbeige 3.678 vs 3.847. A one-row weight whose
     2-column grid fills at most half the resident programs (``_fills_half_a_wave``) takes 4 columns
     per program, 2048-long runs and 8 warps: Ouro's o and down projections (2048 x 2048 and
-    2048 x 5632, 1024 programs on 132 SMs). End to end (docs/benchmarks.md): the o tile gave Ouro-1.4B
-    3.448 against 3.491 ms/token on the H200 (session 22), the down tile 4.351 against 4.372-4.375 on
-    the H100 (session 23); on Ouro's q/k/v and gate/up GEMVs (grids of 1536 and 2816 such programs)
-    the same tile was 1-3% slower."""
+    2048 x 5632, 1024 programs on 132 SMs); rows longer than 4096 take 4096-long runs (two loads
+    of Ouro's 5632-long down rows, not three). End to end (docs/benchmarks.md): the o tile gave
+    Ouro-1.4B 3.448 against 3.491 ms/token on the H200 (session 22), the down tile 4.351 against
+    4.372-4.375 on the H100 (session 23), its 4096-long runs 4.339 against 4.372 (H100, session 25,
+    same process; 1024-long runs: 4.571); on Ouro's q/k/v and gate/up GEMVs (grids of 1536 and 2816
+    such programs) the same tile was 1-3% slower."""
     dot = m > 1
     acc_2d, warps = False, 4
     if device.type == "cpu":  # the interpreter: small tiles exercise the loops
@@ -307,7 +309,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         elif dtype == torch.float32:
             block_n, block_k = 2, 256
         elif _fills_half_a_wave(n // 2, device):
-            block_n, block_k, warps = 4, 2048, 8
+            block_n, block_k, warps = 4, (4096 if k > 4096 else 2048), 8
         else:
             block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
         block_k, stages = min(block_k, max(16, triton.next_power_of_2(k))), 3
