@@ -23,6 +23,12 @@ prompts, chunks and decode rows, so such a step costs one replay:
   copy per dtype (``graphs.copy_grouped``). Graphs capture largest first into one memory pool
   (``pool``: share the decode graphs' pool; graphs of one engine never run concurrently) and write
   their logits into one shared buffer; the returned logits are a copy.
+* Slow graphs are dropped (``drop_slow=True``): after the capture, each token bucket's graph is
+  replayed on its all-padding batch and timed against one call of ``step_fn`` on the smallest shape
+  (its host time: the launches' Python, which a graph saves). A bucket whose replay takes longer,
+  and every larger one, is dropped: there the padding costs more GPU time than the graph saves host
+  time, and ``step_fn`` runs the batch unpadded. Huginn-0125 (r=32, H100): 527 tokens padded to the
+  1024 bucket replayed in 220 ms against the step's 131 ms (docs/benchmarks.md, session 25).
 * ``use_graphs=False`` keeps the static buffers and padding and calls ``step_fn`` (the CPU tests).
 """
 
@@ -54,6 +60,7 @@ class PrefillGraphRunner(StaticStepRunner):
         warmup_runs: int = 2,
         pool=None,
         logits_rows: str = "seqs",
+        drop_slow: bool = True,
     ):
         super().__init__(step_fn, kv_caches, max_blocks_per_seq, step_options, use_graphs, warmup_runs)
         if logits_rows not in ("seqs", "tokens"):
@@ -67,6 +74,10 @@ class PrefillGraphRunner(StaticStepRunner):
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = pool
         self._logits: torch.Tensor | None = None  # the graphs' shared output buffer (``_run_step``)
+        self.drop_slow = drop_slow
+        self.step_ms: float | None = None  # ``step_fn``'s time on the smallest shape (``_drop_slow_graphs``)
+        self.replay_ms: dict[int, float] = {}  # per token bucket timed, its graph's replay time
+        self.dropped: set[tuple[int, int]] = set()
 
     # -- buckets ---------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int]]:
@@ -83,7 +94,7 @@ class PrefillGraphRunner(StaticStepRunner):
             for s in self.seq_buckets:
                 if s > t:
                     break
-                if s >= num_seqs and (s >= rows or self.logits_rows == "tokens"):
+                if s >= num_seqs and (s >= rows or self.logits_rows == "tokens") and (t, s) not in self.dropped:
                     return t, s
         return None
 
@@ -132,10 +143,10 @@ class PrefillGraphRunner(StaticStepRunner):
         """Warm up and capture every shape, largest first, into one memory pool."""
         t0 = time.perf_counter()
         for shape in sorted(self.shapes(), reverse=True):
-            self.query_start_loc[0] = 0
-            # an all-padding batch: no KV reads or writes
-            copy_grouped(self._padding_pairs(0, shape[0], 0, shape[1], 0, self._row_count(shape)))
+            self._pad_all(shape)
             self._capture_one(shape, lambda shape=shape: self._run_step(shape))
+        if self.use_graphs and self.drop_slow:
+            self._drop_slow_graphs()
         self._captured(t0)
         log.info(
             "captured %d prefill %s (tokens %s x sequences %s) in %.2f s",
@@ -146,6 +157,45 @@ class PrefillGraphRunner(StaticStepRunner):
             self.capture_seconds,
         )
         return self
+
+    def _pad_all(self, shape: tuple[int, int]) -> None:
+        """Fill the static buffers with an all-padding batch of ``shape``: no KV reads or writes."""
+        self.query_start_loc[0] = 0
+        copy_grouped(self._padding_pairs(0, shape[0], 0, shape[1], 0, self._row_count(shape)))
+
+    def _timed_ms(self, fn: Callable[[], object]) -> float:
+        """Wall milliseconds of the second of two calls of ``fn``, the device synchronised."""
+        fn()
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) * 1e3
+
+    def _drop_slow_graphs(self) -> None:
+        """Drop the graphs of the token buckets whose replay is slower than ``step_fn`` on the smallest
+        shape, from the first such bucket on (replays grow with the bucket); see the module docstring."""
+        smallest = min(self.shapes())
+        self._pad_all(smallest)
+        self.step_ms = self._timed_ms(lambda: self._run_step(smallest))  # _run_step: step_fn, no replay
+        for t in self.token_buckets:
+            shapes = [shape for shape in self.shapes() if shape[0] == t]
+            if not self.dropped:
+                self._pad_all(shapes[-1])
+                self.replay_ms[t] = self._timed_ms(self.graphs[shapes[-1]].replay)
+                if self.replay_ms[t] <= self.step_ms:
+                    continue
+            self.dropped.update(shapes)
+        for shape in self.dropped:
+            del self.graphs[shape], self.outputs[shape]
+        if self.dropped:
+            log.info(
+                "prefill graphs of token buckets %s dropped: their replays (%s ms) are slower than the step "
+                "without a graph (%.1f ms)",
+                sorted({t for t, _ in self.dropped}),
+                ", ".join(f"{ms:.1f}" for t, ms in self.replay_ms.items() if ms > self.step_ms),
+                self.step_ms,
+            )
 
     # -- running ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -266,3 +266,47 @@ def test_compile_model_replays_prefill_graphs_when_asked(tiny_dirs):
     runners = sorted(cm.graph_runners.values(), key=lambda r: type(r).__name__)
     assert [type(r).__name__ for r in runners] == ["CudaGraphRunner", "PrefillGraphRunner"]
     assert [r.replays for r in runners] == [1, 1]
+
+
+class HostHeavyStep:
+    """A step whose host time is a 20 ms sleep (which a graph does not replay) and whose GPU time is
+    200 [tokens, 4096] x [4096, 4096] products: a 64-token graph replays far faster than a call, a
+    4096-token one far slower. Returns each logits row's hidden state; counts its calls."""
+
+    def __init__(self):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.embed = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) / 64
+        self.calls = 0
+
+    def __call__(self, input_ids, positions, kv_caches, attn, logits_indices):
+        import time
+
+        self.calls += 1
+        time.sleep(0.02)
+        x = self.embed[input_ids] + positions[:, None]
+        for _ in range(200):
+            x = torch.tanh(x @ self.weight)
+        return x[logits_indices].float()
+
+
+def test_prefill_graphs_slower_than_the_step_are_dropped():
+    """After the capture, a token bucket whose replay is slower than the step's own call (its host
+    time) is dropped with every larger one: batches there run the step unpadded; smaller ones replay."""
+    step = HostHeavyStep()
+    planes = [torch.zeros(1, device="cuda")]
+    runner = PrefillGraphRunner(step, planes, max_blocks_per_seq=300, token_buckets=[64, 4096, 8192],
+                                seq_buckets=[1]).capture()  # fmt: skip
+    assert runner.replay_ms[64] < runner.step_ms < runner.replay_ms[4096], (runner.step_ms, runner.replay_ms)
+    assert 8192 not in runner.replay_ms  # not timed: past the first slow bucket
+    assert runner.dropped == {(4096, 1), (8192, 1)} and sorted(runner.graphs) == [(64, 1)]
+    gen = torch.Generator().manual_seed(1)
+    for n, replayed in ((40, True), (100, False)):
+        ids = torch.randint(0, 256, (n,), generator=gen).cuda()
+        meta = build_metadata([n], [0], [list(range(-(-n // BLOCK)))], BLOCK, device="cuda")
+        rows = torch.tensor([n - 1], device="cuda")
+        calls, replays = step.calls, runner.replays
+        got = runner(ids, torch.arange(n, device="cuda"), meta, rows)
+        assert (runner.replays - replays, step.calls - calls) == ((1, 0) if replayed else (0, 1))
+        want = step(ids, torch.arange(n, device="cuda"), planes, meta, rows)
+        torch.testing.assert_close(got, want, **BF16_TOL)

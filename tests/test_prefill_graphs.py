@@ -45,6 +45,17 @@ def test_shapes_and_bucket_picking():
         runner_for(lambda *a, **k: None, planes, token_buckets=[])
 
 
+def test_dropped_shapes_are_skipped_for_the_step_or_a_larger_bucket():
+    """Shapes ``_drop_slow_graphs`` dropped are never picked: a batch goes to the next shape that is
+    kept, or to the step where none is."""
+    planes = [torch.zeros(2, 4, BLOCK, 1, 4)]
+    runner = runner_for(lambda *a, **k: None, planes, token_buckets=[16, 64], max_num_seqs=4)
+    runner.dropped = {(16, 2)}
+    assert runner.bucket_for(10, 2) == (16, 4) and runner.bucket_for(10, 1) == (16, 1)
+    runner.dropped = {(64, s) for s in runner.seq_buckets}
+    assert runner.bucket_for(17, 1) is None and runner.bucket_for(16, 1) == (16, 1)
+
+
 def mixed_batch(model, planes, seed: int):
     """Three prompts prefilled (two fully, one half), then a batch mixing a fresh prompt, the second
     half of the chunked one and decode rows of the other two."""
