@@ -21,9 +21,13 @@ MHA), bf16, ``S`` a multiple of the query tile. Q, K and V come through TMA, K/V
 the prefill op can grow a Gluon path for fresh rows.
 
     python benchmarks/gluon_prefill_probe.py --compile-only [--tiles 64,64,3,4] [--sass FILE]   # offline, sm_90
-    python benchmarks/gluon_prefill_probe.py [--tiles "64,64,3,4;128,64,4,8"]   # GPU: parity, TFLOP/s vs SDPA
+    python benchmarks/gluon_prefill_probe.py [--tiles "64,64,3,4,1;64,64,3,4,0"]   # GPU: parity, TFLOP/s vs SDPA
 
-Tiles are ``block_m,block_n,stages,warps``: 64 query rows and 4 warps are one warp group per program
+Configs are ``block_m,block_n,stages,warps[,heads_first]``. ``heads_first`` (default 1) launches the
+grid as (heads, prompts, tiles): the heaviest query tile of every head and prompt first, where
+(tiles, heads, prompts) ran each head's tiles before the next head's, leaving the last heads'
+heaviest tiles in the tail (session 25 on an H100, m64 n64 s3 w4, before this option: 0.84-0.89x
+SDPA; a list-scheduling model of 264 resident programs puts that tail at 12-15% of Ouro's time). 64 query rows and 4 warps are one warp group per program
 (two programs per SM, 112 KiB of shared memory each, as the TMA prefill kernel's default tile); 128
 rows and 8 warps are two warp groups, which Triton keeps in step with a CTA barrier before each
 copy into a freed stage.
@@ -89,6 +93,7 @@ def _attn_fwd(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
+    HEADS_FIRST: gl.constexpr,
 ):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
@@ -103,9 +108,15 @@ def _attn_fwd(
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     num_m = seq_len // BLOCK_M
-    tile_m = num_m - 1 - gl.program_id(0)  # the causally heaviest tiles first
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
+    if HEADS_FIRST:  # grid (heads, batch, tiles): the heaviest tile of every head and prompt first
+        head = gl.program_id(0)
+        batch = gl.program_id(1)
+        rank = gl.program_id(2)
+    else:  # grid (tiles, heads, batch): a head's tiles, heaviest first, then the next head's
+        rank = gl.program_id(0)
+        head = gl.program_id(1)
+        batch = gl.program_id(2)
+    tile_m = num_m - 1 - rank  # the causally heaviest tiles first
     m0 = tile_m * BLOCK_M
     row0 = batch * seq_len
     kv_col = (head // GROUP) * HEAD_DIM
@@ -169,7 +180,7 @@ def _attn_fwd(
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
     rows = (row0 + m0 + gl.arange(0, BLOCK_M, layout=row_o)).to(gl.int64)
     cols = head * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=col_o)
-    num_heads = gl.num_programs(1)
+    num_heads = gl.num_programs(0) if HEADS_FIRST else gl.num_programs(1)
     gl.store(out_ptr + rows[:, None] * (num_heads * HEAD_DIM) + cols[None, :], out.to(gl.bfloat16))
 
 
@@ -188,25 +199,27 @@ def _descriptors(q, k, v, block_m: int, block_n: int):
     )
 
 
-def _launch_args(q, k, v, out, scale, block_m, block_n, stages, warps):
+def _launch_args(q, k, v, out, scale, block_m, block_n, stages, warps, heads_first=1):
     batch, seq, heads, dim = q.shape
     if seq % block_m or block_m % block_n:
         raise ValueError(f"seq ({seq}) must be a multiple of block_m ({block_m}), block_m of block_n ({block_n})")
     q_desc, k_desc, v_desc = _descriptors(q, k, v, block_m, block_n)
     args = (q_desc, k_desc, v_desc, out, seq, scale * LOG2E)
-    kwargs = dict(GROUP=heads // k.shape[2], HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, WARPS=warps)
-    return (seq // block_m, heads, batch), args, kwargs
+    kwargs = dict(GROUP=heads // k.shape[2], HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, WARPS=warps,
+                  HEADS_FIRST=bool(heads_first))  # fmt: skip
+    grid = (heads, batch, seq // block_m) if heads_first else (seq // block_m, heads, batch)
+    return grid, args, kwargs
 
 
-def gluon_attention(q, k, v, scale: float, block_m=64, block_n=64, stages=3, warps=4) -> torch.Tensor:
+def gluon_attention(q, k, v, scale: float, block_m=64, block_n=64, stages=3, warps=4, heads_first=1) -> torch.Tensor:
     """Causal attention of fresh prompts, ``[B, S, H, D]`` in and out (bf16, contiguous)."""
     out = torch.empty_like(q)
-    grid, args, kwargs = _launch_args(q, k, v, out, scale, block_m, block_n, stages, warps)
+    grid, args, kwargs = _launch_args(q, k, v, out, scale, block_m, block_n, stages, warps, heads_first)
     _attn_fwd[grid](*args, **kwargs, num_warps=warps)
     return out
 
 
-def compile_offline(block_m, block_n, stages, warps, sass_out: Path | None) -> int:
+def compile_offline(block_m, block_n, stages, warps, heads_first=1, sass_out: Path | None = None) -> int:
     """Compile for sm_90 without a GPU (meta tensors for the signature) and report registers,
     spills, shared memory and the order of the key loop's wgmma issues and waits."""
     import triton
@@ -218,7 +231,7 @@ def compile_offline(block_m, block_n, stages, warps, sass_out: Path | None) -> i
     q = torch.empty(1, 1024, 16, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 1024, 16, 128, dtype=torch.bfloat16, device="meta")
     out = torch.empty_like(q)
-    grid, args, kwargs = _launch_args(q, k, k, out, 128**-0.5, block_m, block_n, stages, warps)
+    grid, args, kwargs = _launch_args(q, k, k, out, 128**-0.5, block_m, block_n, stages, warps, heads_first)
     launch = Launch(f"{__name__}._attn_fwd", _attn_fwd, args, {**kwargs, "num_warps": warps}, grid, "probe")
     spec = _bind(launch, target)  # the signature kernel[grid](...) would compile on an sm_90 GPU
     source = GluonASTSource(_attn_fwd, spec.signature, spec.constexprs, spec.attrs)
@@ -247,10 +260,10 @@ def compile_offline(block_m, block_n, stages, warps, sass_out: Path | None) -> i
     return 0
 
 
-def run_gpu(cases, tiles: list[tuple[int, int, int, int]]) -> int:
+def run_gpu(cases, tiles: list[tuple[int, ...]]) -> int:
     """Each case: parity with SDPA (bf16), then the time of each tile config and of SDPA, with the
     attention table's timer (``attention_bench.bench``: median CUDA-graph replay, L2 flushed)."""
-    names = [f"m{m} n{n} s{st} w{w}" for m, n, st, w in tiles]
+    names = [f"m{t[0]} n{t[1]} s{t[2]} w{t[3]}" + ("" if len(t) < 5 else f" h{t[4]}") for t in tiles]
     print("| case | " + " | ".join(f"{name} us (TFLOP/s)" for name in names) + " | SDPA us (TFLOP/s) | best vs SDPA |")
     print("|---|" + "---|" * (len(tiles) + 2))
     worst, device = 0.0, torch.device("cuda")
@@ -301,15 +314,16 @@ def main(argv=None) -> int:
     parser.add_argument("--sass", type=Path, default=None, help="--compile-only: write the SASS (and PTX, TTGIR) here")
     parser.add_argument(
         "--tiles",
-        default="64,64,3,4;128,64,4,8;64,64,2,4",
-        help="tile configs 'block_m,block_n,stages,warps;...' (--compile-only: the first)",
+        default="64,64,3,4,1;64,64,3,4,0",
+        help="configs 'block_m,block_n,stages,warps[,heads_first];...' (heads_first: 1 unless 0; "
+        "--compile-only: the first)",
     )
     args = parser.parse_args(argv)
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";") if t.strip()]
-    if any(len(t) != 4 for t in tiles):
-        parser.error(f"--tiles takes block_m,block_n,stages,warps entries, got {args.tiles!r}")
+    if any(len(t) not in (4, 5) for t in tiles):
+        parser.error(f"--tiles takes block_m,block_n,stages,warps[,heads_first] entries, got {args.tiles!r}")
     if args.compile_only:
-        return compile_offline(*tiles[0], args.sass)
+        return compile_offline(*tiles[0], sass_out=args.sass)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         print("error: needs a Hopper GPU (or --compile-only)", file=sys.stderr)
         return 2

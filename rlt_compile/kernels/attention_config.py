@@ -280,6 +280,7 @@ CONFIG_KEYS = frozenset(
         "reverse_tiles",
         "fold_scale",
         "rescale_slack",
+        "heads_first",
         "split_grain",
         "early_q",
     }

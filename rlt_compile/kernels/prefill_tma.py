@@ -90,12 +90,17 @@ def _prefill_tma_kernel(
     FOLD_SCALE: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_trigger_first(USE_PDL)
     pdl_wait(USE_PDL)
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    if HEADS_FIRST:  # a tile's programs for every head launch together: the heaviest tiles of all heads first
+        head = tl.program_id(0)
+        pid = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        head = tl.program_id(1)
     seq, is_real, q_start, q_len, tile = _program_sequence(pid, query_start_ptr, num_seqs, num_tokens, BLOCK_M, SEQ_P)
     num_tiles = tl.cdiv(q_len, BLOCK_M)
     if tile >= num_tiles:
@@ -203,7 +208,13 @@ def _key_tile(
 
 def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dict:
     """Tiles from dtypes only, then ``config`` (``block_m``, ``block_n``, ``warps``, ``stages``, and
-    the key tile's ``fold_scale`` / ``rescale_slack``, see ``_key_tile``; both off until measured).
+    the key tile's ``fold_scale`` / ``rescale_slack``, see ``_key_tile``: on the H100 (session 25)
+    ``fold_scale`` took Nanbeige's 1 x 8k prompt from 1746 to 1638 us and chunks 1-5% down, the rest
+    within 1%, so it is on; ``rescale_slack`` was 1-14% slower on every case, so it is off;
+    and ``heads_first``: the grid's first axis runs over the heads, so the launch order takes each
+    sequence's heaviest tile for every head before its next tile, not all of a head's tiles before
+    the next head, whose heaviest tiles then start late and run in the tail; a list-scheduling model
+    of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first).
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -213,7 +224,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg |= {"fold_scale": 0, "rescale_slack": 0}
+    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 0}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -294,6 +305,8 @@ def prefill_tma_attention(
     pdl = pdl_mode(q)
     k_cache = kv_cache[0]
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
+    if cfg["heads_first"]:
+        grid = grid[::-1]
     with interpreter_scope(interpret):
         kernel_for(_prefill_tma_kernel, interpret)[grid](
             q,
@@ -327,6 +340,7 @@ def prefill_tma_attention(
             FOLD_SCALE=bool(cfg["fold_scale"]),
             RESCALE_SLACK=int(cfg["rescale_slack"]),
             WRITE_KV=slot_mapping is not None,
+            HEADS_FIRST=bool(cfg["heads_first"]),
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
