@@ -51,15 +51,17 @@ if [[ $what == final ]]; then
 fi
 if [[ $what == pending84 ]]; then
   # session 25 (issues 3, 4; ~6 min): the causal prefill grid order (heads on the grid's first axis) in the
-  # Gluon probe and the TMA op, both orders in one process each, fold_scale's new default against off;
+  # Gluon probe and the TMA op, both orders in one process each, fold_scale's new default against off, the
+  # op with its fresh sequences in the Gluon kernel (gluon_fresh: parity in test_prefill_gluon.py);
   # GPU tests of the graphs (the prefill-graph drop rule), the TMA prefill and the GEMV; the headline
   # table with the down projection's 4096-long runs (and its 2048-long runs as a variant); Huginn's
   # prefill graphs (the 1024 bucket should be dropped)
   timeout 90 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4,1;64,64,3,4,0" 2>&1 | grep -E "^(\||bf16)|Error"
-  timeout 120 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "heads_first=1;fold_scale=0" \
+  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
+    --extra "heads_first=1;fold_scale=0;gluon_fresh=1;gluon_fresh=1,heads_first=1" \
     --out "$OUT/prefill_order.md" 2>&1 | grep "^|"
   timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_graphs_gpu.py tests/test_prefill_tma.py \
-    tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_prefill_gluon.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
   timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 \
     --variant "RLT_GEMV_CONFIG=only_n=2048,only_k=5632,block_k=2048" --out "$OUT/decode_all.md" > "$OUT/decode_all.log" 2>&1

@@ -149,6 +149,12 @@ class Platform:
         >= 9.0 (Hopper). Never on ROCm or the CPU."""
         return self.kind == "cuda" and self.capability is not None and self.capability[0] >= 9
 
+    @property
+    def supports_wgmma(self) -> bool:
+        """Hopper's asynchronous warp-group MMA (Gluon's ``warpgroup_mma``): NVIDIA compute capability
+        9.x only (Blackwell has other tensor-core instructions). Never on ROCm or the CPU."""
+        return self.kind == "cuda" and self.capability is not None and self.capability[0] == 9
+
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.device_type, index) if self.is_gpu else torch.device("cpu")
 

@@ -50,6 +50,17 @@ def test_mock_defaults():
     assert "gfx942" in rocm.describe()
 
 
+def test_tma_and_wgmma_are_hopper_capabilities():
+    """TMA from compute capability 9.0 on; Gluon's warp-group MMA on 9.x only (Blackwell's tensor
+    cores take other instructions); neither on ROCm or the CPU."""
+    cases = {"sm_80": (False, False), "sm_90": (True, True), "sm_100": (True, False)}
+    for arch, (tma, wgmma) in cases.items():
+        p = Platform.mock("cuda", arch=arch)
+        assert (p.supports_tma, p.supports_wgmma) == (tma, wgmma), arch
+    for kind in ("rocm", "cpu"):
+        assert not Platform.mock(kind).supports_wgmma and not Platform.mock(kind).supports_tma
+
+
 def test_graph_api_and_device_type():
     for kind in ("cuda", "rocm"):
         p = Platform.mock(kind)

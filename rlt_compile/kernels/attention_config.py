@@ -281,6 +281,7 @@ CONFIG_KEYS = frozenset(
         "fold_scale",
         "rescale_slack",
         "heads_first",
+        "gluon_fresh",
         "split_grain",
         "early_q",
     }

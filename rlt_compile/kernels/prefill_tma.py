@@ -91,6 +91,7 @@ def _prefill_tma_kernel(
     RESCALE_SLACK: tl.constexpr,
     WRITE_KV: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    SKIP_FRESH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_trigger_first(USE_PDL)
@@ -117,6 +118,9 @@ def _prefill_tma_kernel(
         tl.store(o_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=row_valid[:, None])
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # cached positions before the sequence's first query
+    if SKIP_FRESH:  # fresh sequences: the Gluon kernel's (kernels/prefill_gluon.py), launched before
+        if ctx_len == 0:
+            return
     kv_head = head // GROUP
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
@@ -214,7 +218,10 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     and ``heads_first``: the grid's first axis runs over the heads, so the launch order takes each
     sequence's heaviest tile for every head before its next tile, not all of a head's tiles before
     the next head, whose heaviest tiles then start late and run in the tail; a list-scheduling model
-    of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first).
+    of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first),
+    and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
+    ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
+    the rest to this one; off until timed in the op.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -224,13 +231,24 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 0}
+    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 0, "gluon_fresh": 0}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
     if not 0 <= cfg["rescale_slack"] <= MAX_RESCALE_SLACK:
         raise ValueError(f"rescale_slack must be in [0, {MAX_RESCALE_SLACK}], got {cfg['rescale_slack']}")
     return cfg
+
+
+def uses_gluon_fresh(q: torch.Tensor, head_dim: int, interpret: bool) -> bool:
+    """Whether the Gluon kernel can take a batch's fresh sequences: a GPU with Hopper's ``wgmma``, a
+    16-bit ``q`` and a head dim of 64-256 (the interpreter cannot run Gluon)."""
+    return (
+        not interpret
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and head_dim in (64, 128, 256)
+        and _platform.current_platform().supports_wgmma
+    )
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -304,6 +322,12 @@ def prefill_tma_attention(
         precision = "ieee"
     pdl = pdl_mode(q)
     k_cache = kv_cache[0]
+    gluon_fresh = bool(cfg["gluon_fresh"]) and uses_gluon_fresh(q, head_dim, interpret)
+    if gluon_fresh:
+        from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
+
+        q_tma = q if _tma_ready(q) else q.contiguous()
+        launch_fresh_prefill(q_tma, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping)
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
     if cfg["heads_first"]:
         grid = grid[::-1]
@@ -341,6 +365,7 @@ def prefill_tma_attention(
             RESCALE_SLACK=int(cfg["rescale_slack"]),
             WRITE_KV=slot_mapping is not None,
             HEADS_FIRST=bool(cfg["heads_first"]),
+            SKIP_FRESH=gluon_fresh,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],

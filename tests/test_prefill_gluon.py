@@ -1,0 +1,135 @@
+"""Causal prefill of fresh sequences in Gluon (``kernels/prefill_gluon.py``, ``gluon_fresh=1``).
+
+CPU: the kernel compiled offline for sm_90 (Triton's interpreter cannot run Gluon): no spills, no
+``wgmma`` serialized by ptxas, two programs per SM. GPU (``-m gpu``, Hopper): the op's path with the
+fresh sequences in the Gluon kernel and the rest in the TMA kernel against the torch reference, with
+the KV write, for fresh prompts, chunks after a cached prefix, decode rows, GQA and MHA, lengths off
+the tiles and padding token rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_triton_kernels import check_attention, make_case
+
+from rlt_compile.kernels import aot, prefill_gluon, prefill_tma
+from rlt_compile.kernels.reference import kv_write_reference, paged_attention_reference
+from rlt_compile.kernels.triton_attention import attention_forward
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (run with -m gpu on the device)")
+GLUON = {"prefill_tma": True, "gluon_fresh": 1}
+
+
+def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_dim: int = 128):
+    """The kernel as the op would launch it for 300 tokens of 3 sequences, compiled for sm_90 from meta
+    tensors: (compiled kernel, ptxas usage)."""
+    import triton
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    meta = torch.device("meta")
+    q = torch.empty(300, num_heads, head_dim, dtype=dtype, device=meta)
+    k = torch.empty(300, num_kv_heads, head_dim, dtype=dtype, device=meta)
+    cache = torch.empty(2, 40, 16, num_kv_heads, head_dim, dtype=dtype, device=meta)
+    seq_lens = torch.empty(3, dtype=torch.int32, device=meta)
+    starts = torch.empty(4, dtype=torch.int32, device=meta)
+    slots = torch.empty(300, dtype=torch.int64, device=meta)
+    kernel, grid, args, kwargs = prefill_gluon.fresh_prefill_launch(
+        q, k, torch.empty_like(k), cache, seq_lens, starts, torch.empty_like(q), head_dim**-0.5, slots
+    )
+    target = aot.gpu_target("cuda", "sm_90")
+    spec = aot._bind(aot.Launch("prefill_gluon", kernel, args, kwargs, grid, "test"), target)
+    source = GluonASTSource(kernel, spec.signature, spec.constexprs, spec.attrs)
+    compiled = triton.compile(source, target=target, options=dict(spec.options))
+    usage = aot._parse_ptxas_log(aot._ptxas_rerun(compiled.asm["ptx"], 90), compiled.metadata.name)
+    return compiled, usage
+
+
+@pytest.mark.parametrize(
+    ("heads", "dtype"), [((16, 16), torch.bfloat16), ((48, 8), torch.bfloat16), ((8, 2), torch.float16)]
+)
+def test_compiles_for_sm90_without_spills(heads, dtype):
+    """sm_90 (triton 3.9 here, 3.6 on the device: 162 / 164 registers, 114760 B): no spills, no wgmma
+    serialized (ptxas C7514), two programs per SM; in the key loop the tile's eight score wgmmas and
+    the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them)."""
+    compiled, usage = compile_sm90(*heads, dtype)
+    assert (usage["spill_stores"], usage["spill_loads"]) == (0, 0), usage
+    assert not any("C7514" in w for w in usage["perf_warnings"]), usage
+    assert compiled.metadata.shared + 1024 <= 228 * 1024 // 2, compiled.metadata.shared  # + the 1 KiB reserved per CTA
+    if aot.nvdisasm_path().exists():
+        sass = aot.disassemble(compiled.asm["cubin"])
+        ops = [m.group(1) for m in re.finditer(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|SYNCS\.PHASECHK)", sass)]
+        loop = ["HGMMA.64x64x16"] * 8 + ["SYNCS.PHASECHK"] + ["HGMMA.64x128x16"] * 4 + ["WARPGROUP.DEPBAR"]
+        assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
+
+
+def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch):
+    """With ``gluon_fresh`` the TMA kernel (Triton's interpreter) skips the fresh sequences, whose rows
+    and K/V a stand-in for the Gluon launch writes (its rows: a sentinel); the chunk, the decode row
+    and the padding rows are the TMA kernel's, and the cache ends up as the reference's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(prefill_tma, "uses_gluon_fresh", lambda *args: True)
+    fresh = []
+
+    def stand_in(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping=None, tile=None):
+        starts = query_start_loc.tolist()
+        for seq, seq_len in enumerate(seq_lens.tolist()):
+            a, b = starts[seq], starts[seq + 1]
+            if seq_len == b - a:
+                fresh.append(seq)
+                out[a:b] = 7.0
+                kv_write_reference(k[a:b], v[a:b], kv_cache, slot_mapping[a:b])
+
+    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", stand_in)
+    query_lens, context_lens = [40, 17, 1, 23], [0, 30, 12, 0]
+    q, k, v, cache, md = make_case(query_lens, context_lens, 6, 2, 16, 8, torch.float32, pad_tokens=3, seed=5)
+    ref_cache = cache.clone()
+    kv_write_reference(k, v, ref_cache, md.slot_mapping)
+    meta = (md.block_tables, md.seq_lens, md.query_start_loc, 16**-0.5)
+    ref = paged_attention_reference(q, ref_cache, *meta)
+    out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config=GLUON)
+    assert fresh == [0, 3] and torch.equal(cache, ref_cache)
+    rows = torch.cat([torch.full((n,), c == 0) for n, c in zip(query_lens, context_lens)])
+    n = rows.shape[0]
+    assert (out[:n][rows] == 7.0).all()
+    torch.testing.assert_close(out[:n][~rows], ref[:n][~rows], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(out[n:]) == 0  # padding rows
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 16), (48, 8)])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([200, 64, 1000], [0, 0, 0]),  # fresh prompts, on and off the 64-row tiles
+        ([130, 77, 1, 300], [0, 40, 99, 0]),  # fresh prompts beside a chunk and a decode row
+        ([1, 1, 70], [5, 9, 0]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens, context_lens, dtype):
+    launches = []
+    launch = prefill_gluon.launch_fresh_prefill
+    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    case = make_case(
+        query_lens, context_lens, *heads, 128, 16, dtype, pad_tokens=7, device="cuda", seed=len(query_lens)
+    )
+    check_attention(case, None, config=GLUON, fused=True)
+    assert launches == [1]
+
+
+@hopper
+@pytest.mark.gpu
+def test_off_by_default_and_off_for_fp32(monkeypatch):
+    """``gluon_fresh`` is opt-in, and an fp32 batch (forced onto the TMA kernel) never takes it."""
+    launches = []
+    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1))
+    case = make_case([100], [0], 4, 4, 128, 16, torch.bfloat16, device="cuda")
+    check_attention(case, None, config={"prefill_tma": True}, fused=True)
+    case = make_case([100], [0], 4, 4, 64, 16, torch.float32, device="cuda")
+    check_attention(case, None, config=GLUON, fused=True)
+    assert launches == []
