@@ -216,7 +216,7 @@ def _fresh_prefill_kernel(
     cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=col_o)
     gl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], out.to(dtype), mask=(offs_r < q_len)[:, None])
 
-    if WRITE_KV:
+    if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
         if head % GROUP == 0:
             _write_kv(k_ptr, k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_kt, stride_cb, stride_cs,
                       stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip

@@ -118,7 +118,7 @@ def _prefill_tma_kernel(
         tl.store(o_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=row_valid[:, None])
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # cached positions before the sequence's first query
-    if SKIP_FRESH:  # fresh sequences: the Gluon kernel's (kernels/prefill_gluon.py), launched before
+    if SKIP_FRESH:  # noqa: SIM102 (constexpr, then runtime; fresh sequences: the Gluon kernel's, launched before)
         if ctx_len == 0:
             return
     kv_head = head // GROUP
