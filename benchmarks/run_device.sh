@@ -60,6 +60,11 @@ if [[ $what == pending84 ]]; then
   timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
     --extra "heads_first=1;fold_scale=0;gluon_fresh=1;gluon_fresh=1,heads_first=1" \
     --out "$OUT/prefill_order.md" 2>&1 | grep "^|"
+  # the prefill table (op vs SDPA and vs gather + SDPA) with the Gluon path and the grid order on
+  RLT_ATTENTION_CONFIG=gluon_fresh=1,heads_first=1 timeout 120 python3 benchmarks/attention_bench.py --cases 1x1024 \
+    --out "$OUT/attention_gluon.md" > "$OUT/attention_gluon.log" 2>&1
+  echo "attention_bench (gluon_fresh=1,heads_first=1) rc=$?"; grep -E "^\| (Ouro|Nanbeige).*\| (1024|8192) \| [0-9]+ \|" \
+    "$OUT/attention_gluon.md"
   timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_graphs_gpu.py tests/test_prefill_tma.py \
     tests/test_prefill_gluon.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
