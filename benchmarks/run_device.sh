@@ -50,13 +50,13 @@ if [[ $what == final ]]; then
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending84 ]]; then
-  # session 25 (issues 3, 4; ~6 min): the causal prefill grid order (heads on the grid's first axis) in the
-  # Gluon probe and the TMA op, both orders in one process each, fold_scale's new default against off, the
-  # op with its fresh sequences in the Gluon kernel (gluon_fresh: parity in test_prefill_gluon.py);
+  # session 25 (issues 3, 4; ~7 min): the package's Gluon kernel alone (heads first) against SDPA; in the TMA
+  # op the grid order (heads_first), fold_scale's new default against off, and the op with its fresh
+  # sequences in the Gluon kernel (gluon_fresh: parity in test_prefill_gluon.py), in one process;
   # GPU tests of the graphs (the prefill-graph drop rule), the TMA prefill and the GEMV; the headline
   # table with the down projection's 4096-long runs (and its 2048-long runs as a variant); Huginn's
   # prefill graphs (the 1024 bucket should be dropped)
-  timeout 90 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4,1;64,64,3,4,0" 2>&1 | grep -E "^(\||bf16)|Error"
+  timeout 90 python3 benchmarks/gluon_prefill_probe.py 2>&1 | grep -E "^(\||bf16)|Error"
   timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
     --extra "heads_first=1;fold_scale=0;gluon_fresh=1;gluon_fresh=1,heads_first=1" \
     --out "$OUT/prefill_order.md" 2>&1 | grep "^|"
