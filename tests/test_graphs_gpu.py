@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -280,8 +281,6 @@ class HostHeavyStep:
         self.calls = 0
 
     def __call__(self, input_ids, positions, kv_caches, attn, logits_indices):
-        import time
-
         self.calls += 1
         time.sleep(0.02)
         x = self.embed[input_ids] + positions[:, None]

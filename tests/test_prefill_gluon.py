@@ -24,12 +24,10 @@ hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (run with -m 
 GLUON = {"prefill_tma": True, "gluon_fresh": 1}
 
 
-def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_dim: int = 128):
+def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_dim: int = 128) -> aot.KernelReport:
     """The kernel as the op would launch it for 300 tokens of 3 sequences, compiled for sm_90 from meta
-    tensors: (compiled kernel, ptxas usage)."""
-    import triton
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    tensors by ``aot.compile_specialisation`` (Gluon's AST source; with its SASS where the wheel has
+    ``nvdisasm``)."""
     meta = torch.device("meta")
     q = torch.empty(300, num_heads, head_dim, dtype=dtype, device=meta)
     k = torch.empty(300, num_kv_heads, head_dim, dtype=dtype, device=meta)
@@ -40,12 +38,11 @@ def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_d
     kernel, grid, args, kwargs = prefill_gluon.fresh_prefill_launch(
         q, k, torch.empty_like(k), cache, seq_lens, starts, torch.empty_like(q), head_dim**-0.5, slots
     )
-    target = aot.gpu_target("cuda", "sm_90")
-    spec = aot._bind(aot.Launch("prefill_gluon", kernel, args, kwargs, grid, "test"), target)
-    source = GluonASTSource(kernel, spec.signature, spec.constexprs, spec.attrs)
-    compiled = triton.compile(source, target=target, options=dict(spec.options))
-    usage = aot._parse_ptxas_log(aot._ptxas_rerun(compiled.asm["ptx"], 90), compiled.metadata.name)
-    return compiled, usage
+    name = f"{prefill_gluon.__name__}._fresh_prefill_kernel"
+    spec = aot._bind(aot.Launch(name, kernel, args, kwargs, grid, "test"), aot.gpu_target("cuda", "sm_90"))
+    report = aot.compile_specialisation(spec, "cuda", "sm_90", sass=aot.nvdisasm_path().exists())
+    assert report.ok, report.error
+    return report
 
 
 @pytest.mark.parametrize(
@@ -55,13 +52,15 @@ def test_compiles_for_sm90_without_spills(heads, dtype):
     """sm_90 (triton 3.9 here, 3.6 on the device: 162 / 164 registers, 114760 B): no spills, no wgmma
     serialized (ptxas C7514), two programs per SM; in the key loop the tile's eight score wgmmas and
     the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them)."""
-    compiled, usage = compile_sm90(*heads, dtype)
-    assert (usage["spill_stores"], usage["spill_loads"]) == (0, 0), usage
-    assert not any("C7514" in w for w in usage["perf_warnings"]), usage
-    assert compiled.metadata.shared + 1024 <= 228 * 1024 // 2, compiled.metadata.shared  # + the 1 KiB reserved per CTA
-    if aot.nvdisasm_path().exists():
-        sass = aot.disassemble(compiled.asm["cubin"])
-        ops = [m.group(1) for m in re.finditer(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|SYNCS\.PHASECHK)", sass)]
+    report = compile_sm90(*heads, dtype)
+    assert (report.spill_stores, report.spill_loads) == (0, 0), report
+    assert not any("C7514" in w for w in report.extra["ptxas_perf_warnings"]), report.extra
+    assert report.shared + 1024 <= 228 * 1024 // 2, report.shared  # + the 1 KiB reserved per CTA
+    if "sass" in report.extra:
+        ops = [
+            m.group(1)
+            for m in re.finditer(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|SYNCS\.PHASECHK)", report.extra["sass"])
+        ]
         loop = ["HGMMA.64x64x16"] * 8 + ["SYNCS.PHASECHK"] + ["HGMMA.64x128x16"] * 4 + ["WARPGROUP.DEPBAR"]
         assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
 

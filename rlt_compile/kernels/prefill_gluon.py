@@ -36,6 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from rlt_compile.kernels.attention_common import LOG2E
+
 __all__ = ["GLUON_TILE", "launch_fresh_prefill", "fresh_prefill_launch"]
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
@@ -121,6 +123,7 @@ def _fresh_prefill_kernel(
     head = gl.program_id(0)
     pid = gl.program_id(1)
     # the sequence owning this program: the last s with query_start_loc[s] // BLOCK_M + s <= pid
+    # (attention_common._program_sequence's search; a @triton.jit helper cannot be called from Gluon)
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     offs_s = gl.arange(0, SEQ_P, layout=seq_layout)
     starts = gl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
@@ -252,7 +255,7 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
     args = (
         q_desc, k_desc, v_desc, k, v, k_cache, kv_cache[1],
         slot_mapping if slot_mapping is not None else query_start_loc,  # unused without the write
-        seq_lens, query_start_loc, out, float(scale) * 1.4426950408889634, num_seqs,
+        seq_lens, query_start_loc, out, float(scale) * LOG2E, num_seqs,
         k.stride(0), v.stride(0), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
     )  # fmt: skip
     kwargs = dict(
