@@ -214,7 +214,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     """Tiles from dtypes only, then ``config`` (``block_m``, ``block_n``, ``warps``, ``stages``, and
     the key tile's ``fold_scale`` / ``rescale_slack``, see ``_key_tile``: on the H100 (session 25)
     ``fold_scale`` took Nanbeige's 1 x 8k prompt from 1746 to 1638 us and chunks 1-5% down, the rest
-    within 1%, so it is on; ``rescale_slack`` was 1-14% slower on every case, so it is off;
+    within 1%, so it is on; ``rescale_slack`` was 3-14% slower on every case, so it is off;
     and ``heads_first``: the grid's first axis runs over the heads, so the launch order takes each
     sequence's heaviest tile for every head before its next tile, not all of a head's tiles before
     the next head, whose heaviest tiles then start late and run in the tail; a list-scheduling model
