@@ -24,7 +24,9 @@ hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (run with -m 
 GLUON = {"prefill_tma": True, "gluon_fresh": 1}
 
 
-def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_dim: int = 128) -> aot.KernelReport:
+def compile_sm90(
+    num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_dim: int = 128, tile=None
+) -> aot.KernelReport:
     """The kernel as the op would launch it for 300 tokens of 3 sequences, compiled for sm_90 from meta
     tensors by ``aot.compile_specialisation`` (Gluon's AST source; with its SASS where the wheel has
     ``nvdisasm``)."""
@@ -36,7 +38,7 @@ def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_d
     starts = torch.empty(4, dtype=torch.int32, device=meta)
     slots = torch.empty(300, dtype=torch.int64, device=meta)
     kernel, grid, args, kwargs = prefill_gluon.fresh_prefill_launch(
-        q, k, torch.empty_like(k), cache, seq_lens, starts, torch.empty_like(q), head_dim**-0.5, slots
+        q, k, torch.empty_like(k), cache, seq_lens, starts, torch.empty_like(q), head_dim**-0.5, slots, tile
     )
     name = f"{prefill_gluon.__name__}._fresh_prefill_kernel"
     spec = aot._bind(aot.Launch(name, kernel, args, kwargs, grid, "test"), aot.gpu_target("cuda", "sm_90"))
@@ -45,14 +47,15 @@ def compile_sm90(num_heads: int, num_kv_heads: int, dtype=torch.bfloat16, head_d
     return report
 
 
+@pytest.mark.parametrize("q_regs", [0, 1])
 @pytest.mark.parametrize(
     ("heads", "dtype"), [((16, 16), torch.bfloat16), ((48, 8), torch.bfloat16), ((8, 2), torch.float16)]
 )
-def test_compiles_for_sm90_without_spills(heads, dtype):
+def test_compiles_for_sm90_without_spills(heads, dtype, q_regs):
     """sm_90 (triton 3.9 here, 3.6 on the device: 162 / 164 registers, 114760 B): no spills, no wgmma
     serialized (ptxas C7514), two programs per SM; in the key loop the tile's eight score wgmmas and
     the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them)."""
-    report = compile_sm90(*heads, dtype)
+    report = compile_sm90(*heads, dtype, tile={"q_regs": q_regs})
     assert (report.spill_stores, report.spill_loads) == (0, 0), report
     assert not any("C7514" in w for w in report.extra["ptxas_perf_warnings"]), report.extra
     assert report.shared + 1024 <= 228 * 1024 // 2, report.shared  # + the 1 KiB reserved per CTA

@@ -43,7 +43,7 @@ __all__ = ["GLUON_TILE", "launch_fresh_prefill", "fresh_prefill_launch"]
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-# block_m, block_n, stages, warps: one warp group per program, two programs per SM (112 KiB of shared
+# block_m, block_n, stages, warps (and q_regs, the queries as a register operand): one warp group per program, two programs per SM (112 KiB of shared
 # memory each at head dim 128); every tile that left one program per SM was 20-40% slower (session 25)
 GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4}
 
@@ -119,6 +119,7 @@ def _fresh_prefill_kernel(
     SEQ_P: gl.constexpr,
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
+    Q_REGS: gl.constexpr,
 ):
     head = gl.program_id(0)
     pid = gl.program_id(1)
@@ -180,21 +181,26 @@ def _fresh_prefill_kernel(
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
     mbarrier.wait(q_bar, 0)
+    if Q_REGS:  # the score product's A operand from registers: half its shared-memory reads
+        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q_op = q_smem
     mbarrier.wait(k_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, m0, scale_log2, BLOCK_N, col_s)
 
     for j in range(1, num_kv):
         prev = j - 1
         mbarrier.wait(k_bars.index(j % STAGES), (j // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_op, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_bars.index(prev % STAGES), (prev // STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_next = warpgroup_mma(p_op, v_smem.index(prev % STAGES), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, m0, scale_log2, BLOCK_N, col_s)
-        acc = warpgroup_mma_wait(0, deps=(acc_next,))
+        # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         # tile j-1 is consumed (its scores and its PV): its stage takes tile j-1+STAGES
         _load_kv(
@@ -269,6 +275,7 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
         SEQ_P=max(32 * warps, triton.next_power_of_2(num_seqs + 1)),
         WRITE_KV=slot_mapping is not None,
         ROW_LAYOUT=_row_layout(head_dim, warps),
+        Q_REGS=tile.get("q_regs", 0),
         num_warps=warps,
     )
     grid = (num_heads, num_tokens // block_m + num_seqs)
