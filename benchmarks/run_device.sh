@@ -50,7 +50,8 @@ if [[ $what == final ]]; then
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending84 ]]; then
-  # session 25 (issues 3, 4; ~7 min): the package's Gluon kernel alone (heads first) against SDPA; in the TMA
+  # session 25 (issues 3, 4; ~7 min): the package's Gluon kernel alone (heads first; session 26 added its q_regs
+  # option and a two-warp-group tile to the probe's default tiles) against SDPA; in the TMA
   # op the grid order (heads_first), fold_scale's new default against off, and the op with its fresh
   # sequences in the Gluon kernel (gluon_fresh: parity in test_prefill_gluon.py), in one process;
   # GPU tests of the graphs (the prefill-graph drop rule), the TMA prefill and the GEMV; the headline
@@ -73,6 +74,13 @@ if [[ $what == pending84 ]]; then
   echo "bench rc=$?"; grep -E "^(\| (ouro|nanbeige|huginn)|ouro|nanbeige|huginn|\| (baseline|RLT_))" "$OUT/decode_all.md"
   timeout 100 python3 benchmarks/prefill_graph_bench.py --model huginn-0125 --lengths 16,128,512 --mixed 15 --reps 3 \
     2>&1 | grep -E "^(\||Prefill|Step|error)"
+fi
+if [[ $what == pending85 ]]; then
+  # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
+  # (session 25's default) and its 2048-long runs as a variant
+  timeout 200 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 1 --compiled-steps 0 \
+    --variant "RLT_GEMV_CONFIG=only_n=2048,only_k=5632,block_k=2048" --out "$OUT/decode_ouro.md" > "$OUT/decode_ouro.log" 2>&1
+  echo "bench rc=$?"; grep -E "^(\| ouro|ouro|\| (baseline|RLT_))" "$OUT/decode_ouro.md"
 fi
 if [[ $what == pending61 ]]; then
   # prepared in session 18 (issue 3; its first half, the paging, ran in session 25): split_grain balances the
