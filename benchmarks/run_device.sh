@@ -75,6 +75,19 @@ if [[ $what == pending84 ]]; then
   timeout 100 python3 benchmarks/prefill_graph_bench.py --model huginn-0125 --lengths 16,128,512 --mixed 15 --reps 3 \
     2>&1 | grep -E "^(\||Prefill|Step|error)"
 fi
+if [[ $what == pending86 ]]; then
+  # session 26 (issue 3; ~4 min): the Gluon kernel's KV write from its last key tile in shared memory (heads_first
+  # now on by default): GPU tests of both prefill kernels, the op with gluon_fresh on and off, the attention table
+  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_tma.py tests/test_prefill_gluon.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1;gluon_fresh=1,heads_first=0" \
+    --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -25
+  RLT_ATTENTION_CONFIG=gluon_fresh=1 timeout 120 python3 benchmarks/attention_bench.py --cases 1x1024 \
+    --out "$OUT/attention_gluon.md" > "$OUT/attention_gluon.log" 2>&1
+  echo "attention_bench (gluon_fresh=1) rc=$?"; grep -E "^\| (Ouro|Nanbeige).*\| (1024|8192) \| [0-9]+ \|" \
+    "$OUT/attention_gluon.md"
+fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
   # (session 25's default) and its 2048-long runs as a variant

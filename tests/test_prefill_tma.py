@@ -71,12 +71,12 @@ def test_prefill_tma_softmax_options_match_reference(interpret, options):
         check_attention(case, None, config={**FORCE, **options}, fused=True)
 
 
-def test_prefill_tma_heads_first_grid_matches_reference(interpret):
-    """``heads_first`` swaps the grid's axes (heads on the first): the same programs, the same
-    outputs and KV write, padding rows included."""
+def test_prefill_tma_tiles_first_grid_matches_reference(interpret):
+    """``heads_first=0`` swaps the grid's axes back (query tiles on the first): the same programs,
+    the same outputs and KV write, padding rows included."""
     for heads, query_lens, context_lens in (((4, 4), [40, 17], [0, 30]), ((6, 2), [33, 20, 1], [50, 7, 12])):
         case = make_case(query_lens, context_lens, *heads, 16, 8, torch.float32, pad_tokens=3, seed=8)
-        check_attention(case, None, config={**FORCE, "heads_first": 1}, fused=True)
+        check_attention(case, None, config={**FORCE, "heads_first": 0}, fused=True)
 
 
 @pytest.mark.parametrize("options", SOFTMAX_OPTIONS[1:])

@@ -74,17 +74,28 @@ def _softmax(s, m_i, l_i, offs_m, tile, m0, scale_log2, BLOCK_N: gl.constexpr, c
 
 
 @gluon.jit
+def _store_kv(rows, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb, stride_cs, stride_ch,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Store ``rows`` (the sequence's rows ``m0 ..``, at most ``BLOCK_M``) of ``kv_head`` in the paged cache."""
+    offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    slot = gl.load(slot_ptr + (q_start + offs_r).to(gl.int64), mask=offs_r < q_len, other=-1)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    gl.store(cache_ptr + dst[:, None] + offs_d[None, :], rows, mask=(slot >= 0)[:, None])
+
+
+@gluon.jit
 def _write_kv(src_ptr, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_t, stride_cb, stride_cs, stride_ch,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """Store rows ``m0 ..`` (at most ``BLOCK_M``, within the sequence) of ``kv_head`` in the paged cache."""
+    """Store rows ``m0 ..`` of ``kv_head`` read from the step's ``src_ptr`` (``[T, Hkv * HEAD_DIM]`` rows)."""
     offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     tok = (q_start + offs_r).to(gl.int64)
-    slot = gl.load(slot_ptr + tok, mask=offs_r < q_len, other=-1)
-    ok = (slot >= 0)[:, None]
-    rows = gl.load(src_ptr + tok[:, None] * stride_t + kv_head * HEAD_DIM + offs_d[None, :], mask=ok)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    gl.store(cache_ptr + dst[:, None] + offs_d[None, :], rows, mask=ok)
+    rows = gl.load(
+        src_ptr + tok[:, None] * stride_t + kv_head * HEAD_DIM + offs_d[None, :], mask=(offs_r < q_len)[:, None]
+    )
+    _store_kv(rows, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM,
+              BLOCK_M, BLOCK_SIZE, layout)  # fmt: skip
 
 
 @gluon.jit
@@ -227,10 +238,17 @@ def _fresh_prefill_kernel(
 
     if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
         if head % GROUP == 0:
-            _write_kv(k_ptr, k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_kt, stride_cb, stride_cs,
-                      stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-            _write_kv(v_ptr, v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_vt, stride_cb, stride_cs,
-                      stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+            if BLOCK_M == BLOCK_N:  # the last key tile is the query tile's own rows, still in shared memory
+                stage = last % STAGES
+                _store_kv(k_smem.index(stage).load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head,
+                          stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+                _store_kv(v_smem.index(stage).load(ROW_LAYOUT), v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head,
+                          stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+            else:
+                _write_kv(k_ptr, k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_kt, stride_cb, stride_cs,
+                          stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+                _write_kv(v_ptr, v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_vt, stride_cb, stride_cs,
+                          stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
 
 
 def _row_layout(head_dim: int, warps: int):

@@ -218,10 +218,13 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     and ``heads_first``: the grid's first axis runs over the heads, so the launch order takes each
     sequence's heaviest tile for every head before its next tile, not all of a head's tiles before
     the next head, whose heaviest tiles then start late and run in the tail; a list-scheduling model
-    of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first),
+    of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first;
+    on the H100, session 26, the op took 2-4% less on 1 x 8k prompts and prompts with decodes, the
+    same on 8 x 1k within 2%, so it is on),
     and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
     ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
-    the rest to this one; off until timed in the op.
+    the rest to this one; off: in the op (session 26, H100) it was 0.98-1.03x this kernel on 1 x 8k
+    prompts and 0.87-0.96x on 8 x 1k (its KV write then read the rows back from global memory).
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -231,7 +234,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 0, "gluon_fresh": 0}
+    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_fresh": 0}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
