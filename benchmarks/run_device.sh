@@ -76,11 +76,14 @@ if [[ $what == pending84 ]]; then
     2>&1 | grep -E "^(\||Prefill|Step|error)"
 fi
 if [[ $what == pending86 ]]; then
-  # session 26 (issue 3; ~4 min): the Gluon kernel's KV write from its last key tile in shared memory (heads_first
-  # now on by default): GPU tests of both prefill kernels, the op with gluon_fresh on and off, the attention table
+  # session 26 (issue 3; ~5 min): the Gluon kernel's KV write from its last key tile in shared memory, its q_regs
+  # and seq_regs (heads_first now on by default): GPU tests of both prefill kernels, the Gluon kernel with and
+  # without seq_regs, the op with gluon_fresh on and off, the attention table
   timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_tma.py tests/test_prefill_gluon.py \
     > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 90 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,0;64,64,3,4,0,1" 2>&1 \
+    | tee "$OUT/probe.txt" | grep -E "^(\||bf16)|Error"
   timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1;gluon_fresh=1,heads_first=0" \
     --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -25
   RLT_ATTENTION_CONFIG=gluon_fresh=1 timeout 120 python3 benchmarks/attention_bench.py --cases 1x1024 \
