@@ -91,6 +91,16 @@ if [[ $what == pending86 ]]; then
   echo "attention_bench (gluon_fresh=1) rc=$?"; grep -E "^\| (Ouro|Nanbeige).*\| (1024|8192) \| [0-9]+ \|" \
     "$OUT/attention_gluon.md"
 fi
+if [[ $what == pending87 ]]; then
+  # session 26 (issue 3; ~3 min): pending86 less its attention table and the heads_first=0 variant, for a short budget
+  timeout 120 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+  timeout 60 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,0" 2>&1 | tee "$OUT/probe.txt" \
+    | grep -E "^(\||bf16)|Error"
+  timeout 120 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1" \
+    --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -10
+fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
   # (session 25's default) and its 2048-long runs as a variant
