@@ -99,7 +99,7 @@ if [[ $what == pending87 ]]; then
   timeout 60 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,0" 2>&1 | tee "$OUT/probe.txt" \
     | grep -E "^(\||bf16)|Error"
   timeout 120 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1" \
-    --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -10
+    --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -18
 fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
