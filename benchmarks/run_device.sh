@@ -5,7 +5,7 @@
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pendingN: what was written but not yet run or timed on a GPU, newest first in the next session's plan
-#   (docs/benchmarks.md). Blocks already run, or replaced by a later one, are removed (sessions 24, 25); the records
+#   (docs/benchmarks.md). Blocks already run, or replaced by a later one, are removed (sessions 24-26); the records
 #   in docs/benchmarks.md name their block, and `git log -S pendingN -- benchmarks/run_device.sh` finds it.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -48,58 +48,6 @@ if [[ $what == final ]]; then
   tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
-fi
-if [[ $what == pending84 ]]; then
-  # session 25 (issues 3, 4; ~7 min): the package's Gluon kernel alone (heads first; session 26 added its q_regs
-  # option and a two-warp-group tile to the probe's default tiles) against SDPA; in the TMA
-  # op the grid order (heads_first), fold_scale's new default against off, and the op with its fresh
-  # sequences in the Gluon kernel (gluon_fresh: parity in test_prefill_gluon.py), in one process;
-  # GPU tests of the graphs (the prefill-graph drop rule), the TMA prefill and the GEMV; the headline
-  # table with the down projection's 4096-long runs (and its 2048-long runs as a variant); Huginn's
-  # prefill graphs (the 1024 bucket should be dropped)
-  timeout 90 python3 benchmarks/gluon_prefill_probe.py 2>&1 | grep -E "^(\||bf16)|Error"
-  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
-    --extra "heads_first=1;fold_scale=0;gluon_fresh=1;gluon_fresh=1,heads_first=1" \
-    --out "$OUT/prefill_order.md" 2>&1 | grep "^|"
-  # the prefill table (op vs SDPA and vs gather + SDPA) with the Gluon path and the grid order on
-  RLT_ATTENTION_CONFIG=gluon_fresh=1,heads_first=1 timeout 120 python3 benchmarks/attention_bench.py --cases 1x1024 \
-    --out "$OUT/attention_gluon.md" > "$OUT/attention_gluon.log" 2>&1
-  echo "attention_bench (gluon_fresh=1,heads_first=1) rc=$?"; grep -E "^\| (Ouro|Nanbeige).*\| (1024|8192) \| [0-9]+ \|" \
-    "$OUT/attention_gluon.md"
-  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_graphs_gpu.py tests/test_prefill_tma.py \
-    tests/test_prefill_gluon.py tests/test_gemv.py > "$OUT/gpu_tests.log" 2>&1
-  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-  timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 \
-    --variant "RLT_GEMV_CONFIG=only_n=2048,only_k=5632,block_k=2048" --out "$OUT/decode_all.md" > "$OUT/decode_all.log" 2>&1
-  echo "bench rc=$?"; grep -E "^(\| (ouro|nanbeige|huginn)|ouro|nanbeige|huginn|\| (baseline|RLT_))" "$OUT/decode_all.md"
-  timeout 100 python3 benchmarks/prefill_graph_bench.py --model huginn-0125 --lengths 16,128,512 --mixed 15 --reps 3 \
-    2>&1 | grep -E "^(\||Prefill|Step|error)"
-fi
-if [[ $what == pending86 ]]; then
-  # session 26 (issue 3; ~5 min): the Gluon kernel's KV write from its last key tile in shared memory, its q_regs
-  # and seq_regs (heads_first now on by default): GPU tests of both prefill kernels, the Gluon kernel with and
-  # without seq_regs, the op with gluon_fresh on and off, the attention table
-  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_tma.py tests/test_prefill_gluon.py \
-    > "$OUT/gpu_tests.log" 2>&1
-  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-  timeout 90 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,0;64,64,3,4,0,1" 2>&1 \
-    | tee "$OUT/probe.txt" | grep -E "^(\||bf16)|Error"
-  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1;gluon_fresh=1,heads_first=0" \
-    --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -25
-  RLT_ATTENTION_CONFIG=gluon_fresh=1 timeout 120 python3 benchmarks/attention_bench.py --cases 1x1024 \
-    --out "$OUT/attention_gluon.md" > "$OUT/attention_gluon.log" 2>&1
-  echo "attention_bench (gluon_fresh=1) rc=$?"; grep -E "^\| (Ouro|Nanbeige).*\| (1024|8192) \| [0-9]+ \|" \
-    "$OUT/attention_gluon.md"
-fi
-if [[ $what == pending87 ]]; then
-  # session 26 (issue 3; ~3 min): pending86 less its attention table and the heads_first=0 variant, for a short budget
-  timeout 120 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
-    > "$OUT/gpu_tests.log" 2>&1
-  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-  timeout 60 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,0" 2>&1 | tee "$OUT/probe.txt" \
-    | grep -E "^(\||bf16)|Error"
-  timeout 120 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1" \
-    --out "$OUT/prefill_gluon_op.md" 2>&1 | grep "^|" | tail -18
 fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
