@@ -223,8 +223,8 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     same on 8 x 1k within 2%, so it is on),
     and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
     ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
-    the rest to this one; off: in the op (session 26, H100) it was 0.98-1.03x this kernel on 1 x 8k
-    prompts and 0.87-0.96x on 8 x 1k (its KV write then read the rows back from global memory).
+    the rest to this one; off: in the op (session 26, H100) it took 0.97x this kernel's time on
+    Nanbeige's 1 x 8k prompt and 1.02-1.10x on every other case.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
