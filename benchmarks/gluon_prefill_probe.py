@@ -12,9 +12,9 @@ and SDPA with the attention table's timer (median CUDA-graph replay, L2 flushed)
 
 Configs are ``block_m,block_n,stages,warps`` with an optional field ``q_regs`` (1, the default: the
 queries as the score product's register operand; 0: from shared memory, 1-2% slower in session 26).
-Session 25 (H100, the probe's own kernel with each head's tiles launched in turn): 64 x 64 tiles, 3 stages and 4 warps (one warp group per program,
-two programs per SM) were 0.81-0.89x SDPA, and every config that left one program per SM (more
-stages, 128-row tiles) 20-40% slower. The offline sm_90 compile (registers, spills, the loop's
+Session 25 (H100, the probe's own kernel with each head's tiles launched in turn): 64 x 64 tiles,
+3 stages and 4 warps (one warp group per program, two programs per SM) were 0.81-0.89x SDPA, and
+every config that left one program per SM (more stages, 128-row tiles) 20-40% slower. The offline sm_90 compile (registers, spills, the loop's
 ``wgmma`` order) is ``tests/test_prefill_gluon.py``'s.
 """
 
@@ -68,7 +68,8 @@ def run_gpu(cases, tiles: list[tuple[int, ...]]) -> int:
         flops = 4 * batch * heads * 128 * seq * seq / 2  # causal: half the score matrix
         cells, best = [], float("inf")
         for m, n, stages, warps, *q_regs in tiles:
-            tile = {"block_m": m, "block_n": n, "stages": stages, "warps": warps, "q_regs": (q_regs or [1])[0]}
+            tile = {"block_m": m, "block_n": n, "stages": stages, "warps": warps}
+            tile |= {"q_regs": q_regs[0]} if q_regs else {}  # else GLUON_TILE's
 
             def run(tile=tile, out=out, packed=packed, cache=cache, seq_lens=seq_lens, starts=starts, scale=scale):
                 launch_fresh_prefill(*packed, cache, seq_lens, starts, out, scale, tile=tile)
