@@ -219,12 +219,12 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     sequence's heaviest tile for every head before its next tile, not all of a head's tiles before
     the next head, whose heaviest tiles then start late and run in the tail; a list-scheduling model
     of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first;
-    on the H100, session 26, the op took 2-4% less on 1 x 8k prompts and prompts with decodes, the
+    on the H100, session 26, the op took 1.5-3.6% less on 1 x 8k prompts and prompts with decodes, the
     same on 8 x 1k within 2%, so it is on),
     and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
     ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
     the rest to this one; off: in the op (session 26, H100) it took 0.97x this kernel's time on
-    Nanbeige's 1 x 8k prompt and 1.02-1.10x on every other case.
+    Nanbeige's 1 x 8k prompt and 1.01-1.10x on every other case.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
