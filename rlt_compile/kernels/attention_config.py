@@ -282,6 +282,7 @@ CONFIG_KEYS = frozenset(
         "rescale_slack",
         "heads_first",
         "gluon_fresh",
+        "gluon_mirror",
         "split_grain",
         "early_q",
     }
