@@ -49,33 +49,6 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending88 ]]; then
-  # session 27 (issue 3, ~4 min): the Gluon kernel's mirror option (each program a query tile and its causal mirror)
-  # -- parity (GPU tests), the kernel alone (probe), the op; then the op's TMA launch after the Gluon kernel alone
-  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py > "$OUT/gpu_gluon.log" 2>&1
-  tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 150 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,1" > "$OUT/probe_mirror.md" 2>&1
-  echo "probe rc=$?"; cat "$OUT/probe_mirror.md"
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1;gluon_fresh=1,gluon_mirror=1" \
-    --out "$OUT/prefill_mirror.md" > "$OUT/prefill_mirror.log" 2>&1
-  echo "prefill bench rc=$?"; cut -d'|' -f2-6 "$OUT/prefill_mirror.md"
-  timeout 100 python3 - <<'PY' 2>&1 | tee "$OUT/skip_launch.txt"
-# the op with gluon_fresh=1 but its Gluon launch a no-op: the TMA kernel's SKIP_FRESH launch and the host side
-import sys; sys.path.insert(0, "benchmarks")
-import torch
-from attention_bench import MODELS, bench
-from prefill_tma_bench import paged_inputs
-from rlt_compile.kernels import prefill_gluon
-from rlt_compile.kernels.triton_attention import attention_forward
-prefill_gluon.launch_fresh_prefill = lambda *a, **k: None
-for name, dims in MODELS.items():
-    for batch, ctx in [(8, 1024), (1, 8192)]:
-        inputs, _ = paged_inputs(*dims, torch.bfloat16, torch.device("cuda"), batch, ctx, ctx)
-        cfg = {"prefill_tma": True, "gluon_fresh": 1}
-        us = 1e3 * bench(lambda: attention_forward(*inputs, dims[2] ** -0.5, config=cfg), torch.device("cuda"))
-        print(f"{name} fresh {batch} x {ctx}: the op without its Gluon launch {us:.1f} us")
-PY
-fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
   # (session 25's default) and its 2048-long runs as a variant

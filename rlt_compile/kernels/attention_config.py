@@ -282,7 +282,6 @@ CONFIG_KEYS = frozenset(
         "rescale_slack",
         "heads_first",
         "gluon_fresh",
-        "gluon_mirror",
         "split_grain",
         "early_q",
     }

@@ -33,13 +33,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from rlt_compile.kernels.attention_common import LOG2E
@@ -48,30 +42,22 @@ __all__ = ["GLUON_TILE", "launch_fresh_prefill", "fresh_prefill_launch"]
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# and the CTA-wide barrier thread_barrier (barrier later)
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # block_m, block_n, stages, warps and q_regs (the queries as the score product's register operand: 1-2% less
 # time on all four fresh cases, H100, session 26): one warp group per program, two programs per SM (112 KiB
 # of shared memory each at head dim 128); every tile that left one program per SM was 20-40% slower (session 25)
-# and mirror (each program takes a query tile and its causal mirror: equal work per program, half the
-# programs' fixed cost; off until measured)
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1, "mirror": 0}
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1}
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, step, n_first, row0, col, pred, BLOCK_N: gl.constexpr):
-    """Start the TMA copies of the key/value tile of loop step ``step`` into stage ``step % STAGES``:
-    tile ``step`` (rows from ``row0``), or ``step - n_first`` once the first query tile's
-    ``n_first`` key tiles are done (a program's second query tile, ``MIRROR``)."""
-    stage = step % k_smem.shape[0]
-    step_t = gl.to_tensor(step)
-    row = row0 + (step_t - gl.where(step_t >= n_first, n_first, 0)) * BLOCK_N
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, col, pred, BLOCK_N: gl.constexpr):
+    """Start the TMA copies of key/value tile ``tile`` (rows from ``row0``) into stage ``tile % STAGES``."""
+    stage = tile % k_smem.shape[0]
     nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
     mbarrier.expect(k_bars.index(stage), nbytes, pred=pred)
-    _tma_load(k_desc, [row, col], k_bars.index(stage), k_smem.index(stage), pred)
+    _tma_load(k_desc, [row0 + tile * BLOCK_N, col], k_bars.index(stage), k_smem.index(stage), pred)
     mbarrier.expect(v_bars.index(stage), nbytes, pred=pred)
-    _tma_load(v_desc, [row, col], v_bars.index(stage), v_smem.index(stage), pred)
+    _tma_load(v_desc, [row0 + tile * BLOCK_N, col], v_bars.index(stage), v_smem.index(stage), pred)
 
 
 @gluon.jit
@@ -146,19 +132,15 @@ def _fresh_prefill_kernel(
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
     Q_REGS: gl.constexpr,
-    MIRROR: gl.constexpr,
 ):
     head = gl.program_id(0)
     pid = gl.program_id(1)
-    # with MIRROR a program takes two query tiles of its sequence (ranks r and num_tiles - 1 - r), so
-    # it spans 2 * BLOCK_M rows of the grid's count
-    UNIT: gl.constexpr = BLOCK_M * (1 + MIRROR)
-    # the sequence owning this program: the last s with query_start_loc[s] // UNIT + s <= pid
+    # the sequence owning this program: the last s with query_start_loc[s] // BLOCK_M + s <= pid
     # (attention_common._program_sequence's search; a @triton.jit helper cannot be called from Gluon)
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     offs_s = gl.arange(0, SEQ_P, layout=seq_layout)
     starts = gl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
-    seq = gl.sum((starts // UNIT + offs_s <= pid).to(gl.int32), axis=0) - 1
+    seq = gl.sum((starts // BLOCK_M + offs_s <= pid).to(gl.int32), axis=0) - 1
     if seq >= num_seqs:  # padding rows: the TMA kernel's
         return
     # three more dependent loads; picking the bounds out of ``starts`` instead was 0.3-2.3% slower (session 26)
@@ -167,19 +149,13 @@ def _fresh_prefill_kernel(
     if gl.load(seq_lens_ptr + seq) != q_len:  # a cached prefix: the TMA kernel's
         return
     num_tiles = (q_len + BLOCK_M - 1) // BLOCK_M
-    rank = pid - (q_start // UNIT + seq)
-    if rank >= (num_tiles + MIRROR) // (1 + MIRROR):
+    rank = pid - (q_start // BLOCK_M + seq)
+    if rank >= num_tiles:
         return
     m0 = (num_tiles - 1 - rank) * BLOCK_M  # the causally heaviest tile first
     kv_head = head // GROUP
     kv_col = kv_head * HEAD_DIM
     num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
-    # MIRROR: the light tile ``rank`` after the heavy one, its key tiles in the same ring; none when the
-    # two are the middle tile of an odd count. Every program of a sequence then has the same work.
-    m0_b = rank * BLOCK_M
-    num_steps = num_kv
-    if MIRROR:
-        num_steps = num_kv + gl.where(m0_b < m0, (m0_b + BLOCK_M) // BLOCK_N, 0)
 
     dtype: gl.constexpr = q_desc.block_type.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -189,9 +165,10 @@ def _fresh_prefill_kernel(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -208,7 +185,7 @@ def _fresh_prefill_kernel(
     mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
     _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
     for i in gl.static_range(STAGES):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, num_kv, q_start, kv_col, i < num_steps, BLOCK_N)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
@@ -218,97 +195,57 @@ def _fresh_prefill_kernel(
 
     mbarrier.wait(q_bar, 0)
     if Q_REGS:  # the score product's A operand from registers: half its shared-memory reads
-        q_op = q_smem.load(q_layout)
+        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     else:
         q_op = q_smem
-    if MIRROR:  # the second tile's queries replace the first's in shared memory, read into registers
-        _cta_barrier()
-        fence_async_shared()
-        mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2, pred=num_steps > num_kv)
-        _tma_load(q_desc, [q_start + m0_b, head * HEAD_DIM], q_bar, q_smem, num_steps > num_kv)
     mbarrier.wait(k_bars.index(0), 0)
     s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, m0, scale_log2, BLOCK_N, col_s)
 
-    for j in range(1, num_steps):
+    for j in range(1, num_kv):
         prev = j - 1
-        if MIRROR:  # noqa: SIM102 (constexpr, then runtime)
-            if j == num_kv:  # the first tile's last PV product and its rows out; the second from scratch
-                mbarrier.wait(v_bars.index(prev % STAGES), (prev // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(prev % STAGES), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, p_op))[0]
-                _finish_tile(acc, l_i, out_ptr, head, q_start, m0, q_len, stride_ot, stride_oh,
-                             k_smem.index(prev % STAGES), v_smem.index(prev % STAGES), k_ptr, v_ptr, k_cache_ptr,
-                             v_cache_ptr, slot_ptr, kv_head, stride_kt, stride_vt, stride_cb, stride_cs, stride_ch,
-                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WRITE_KV, ROW_LAYOUT)  # fmt: skip
-                mbarrier.wait(q_bar, 1)
-                q_op = q_smem.load(q_layout)
-                offs_m = m0_b + gl.arange(0, BLOCK_M, layout=row_s)
-                m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)
-                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-                acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-                # this step's PV product (of the drained tile's P) adds nothing
-                p = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        tile = j - gl.where(j >= num_kv, num_kv, 0)
         mbarrier.wait(k_bars.index(j % STAGES), (j // STAGES) & 1)
         s = warpgroup_mma(q_op, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_bars.index(prev % STAGES), (prev // STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_next = warpgroup_mma(p_op, v_smem.index(prev % STAGES), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-        m0_j = gl.where(j >= num_kv, m0_b, m0)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, tile, m0_j, scale_log2, BLOCK_N, col_s)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, m0, scale_log2, BLOCK_N, col_s)
         # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        # step j-1 is consumed (its scores and its PV): its stage takes step j-1+STAGES
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        # tile j-1 is consumed (its scores and its PV): its stage takes tile j-1+STAGES
         _load_kv(
-            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, prev + STAGES, num_kv, q_start, kv_col,
-            prev + STAGES < num_steps, BLOCK_N,
+            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, prev + STAGES, q_start, kv_col, prev + STAGES < num_kv,
+            BLOCK_N,
         )  # fmt: skip
 
-    last = num_steps - 1
+    last = num_kv - 1
     mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    # copies issued for steps past num_steps were predicated off; every issued one has been waited for
+    # copies issued for tiles past num_kv were predicated off; every issued one has been waited for
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
-    m0_last = gl.where(num_steps > num_kv, m0_b, m0)
-    _finish_tile(acc, l_i, out_ptr, head, q_start, m0_last, q_len, stride_ot, stride_oh, k_smem.index(last % STAGES),
-                 v_smem.index(last % STAGES), k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_head, stride_kt,
-                 stride_vt, stride_cb, stride_cs, stride_ch, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WRITE_KV,
-                 ROW_LAYOUT)  # fmt: skip
 
-
-@gluon.jit
-def _finish_tile(acc, l_i, out_ptr, head, q_start, m0, q_len, stride_ot, stride_oh, k_last, v_last, k_ptr, v_ptr,
-                 k_cache_ptr, v_cache_ptr, slot_ptr, kv_head, stride_kt, stride_vt, stride_cb, stride_cs, stride_ch,
-                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_SIZE: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
-    """A query tile's output rows (``acc / l_i``) and, with ``WRITE_KV``, its rows' K/V in the paged
-    cache, taken from its last key tile ``k_last``/``v_last`` in shared memory when that tile is the
-    query tile's own rows (``BLOCK_M == BLOCK_N``), else from the step's ``k``/``v``."""
-    o_layout: gl.constexpr = acc.type.layout
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
     offs_r = m0 + gl.arange(0, BLOCK_M, layout=row_o)
     rows = (q_start + offs_r).to(gl.int64)
-    cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(offs_r < q_len)[:, None])  # fmt: skip
+    cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=col_o)
+    gl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], out.to(dtype), mask=(offs_r < q_len)[:, None])
+
     if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
         if head % GROUP == 0:
-            if BLOCK_M == BLOCK_N:
-                _store_kv(k_last.load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb,
-                          stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-                _store_kv(v_last.load(ROW_LAYOUT), v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb,
-                          stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+            if BLOCK_M == BLOCK_N:  # the last key tile is the query tile's own rows, still in shared memory
+                stage = last % STAGES
+                _store_kv(k_smem.index(stage).load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head,
+                          stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+                _store_kv(v_smem.index(stage).load(ROW_LAYOUT), v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head,
+                          stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
             else:
                 _write_kv(k_ptr, k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_kt, stride_cb, stride_cs,
                           stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
@@ -332,8 +269,6 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
     block_m, block_n, warps = tile["block_m"], tile["block_n"], tile["warps"]
     if block_m % block_n:
         raise ValueError(f"Gluon prefill tiles: block_m must be a multiple of block_n, got {tile}")
-    if tile["mirror"] and not tile["q_regs"]:
-        raise ValueError(f"Gluon prefill tiles: mirror needs q_regs (each tile's queries in registers), got {tile}")
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
@@ -361,10 +296,9 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
         WRITE_KV=slot_mapping is not None,
         ROW_LAYOUT=_row_layout(head_dim, warps),
         Q_REGS=tile["q_regs"],
-        MIRROR=tile["mirror"],
         num_warps=warps,
     )
-    grid = (num_heads, num_tokens // (block_m * (1 + tile["mirror"])) + num_seqs)
+    grid = (num_heads, num_tokens // block_m + num_seqs)
     return _fresh_prefill_kernel, grid, args, kwargs
 
 

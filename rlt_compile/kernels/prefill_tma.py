@@ -224,8 +224,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
     ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
     the rest to this one; off: in the op (session 26, H100) it took 0.97x this kernel's time on
-    Nanbeige's 1 x 8k prompt and 1.01-1.10x on every other case; ``gluon_mirror`` sets that kernel's
-    ``mirror`` tile option (``GLUON_TILE``'s when unset).
+    Nanbeige's 1 x 8k prompt and 1.01-1.10x on every other case.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -312,8 +311,7 @@ def prefill_tma_attention(
         raise ValueError(f"k/v must be [T, Hkv, D] = {(num_tokens, num_kv_heads, head_dim)}, got {tuple(k.shape)}")
     num_seqs = seq_lens.shape[0]
     interpret = is_interpreted(q)
-    config = _check_config(config)
-    cfg = prefill_tma_config(interpret, kv_cache.dtype, config)
+    cfg = prefill_tma_config(interpret, kv_cache.dtype, _check_config(config))
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"q and kv_cache need a unit stride over the head dim, got {q.stride()} / {kv_cache.stride()}")
     k = k if _tma_ready(k) else k.contiguous()
@@ -332,8 +330,7 @@ def prefill_tma_attention(
         from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
 
         q_tma = q if _tma_ready(q) else q.contiguous()
-        tile = None if config.get("gluon_mirror") is None else {"mirror": int(config["gluon_mirror"])}
-        launch_fresh_prefill(q_tma, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping, tile)
+        launch_fresh_prefill(q_tma, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping)
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
     if cfg["heads_first"]:
         grid = grid[::-1]
