@@ -49,6 +49,22 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending89 ]]; then
+  # session 27 (issue 3, ~3 min): where the Gluon prefill kernel's time goes on fresh prompts (8 x 1k: ~5.6 us of
+  # fixed cost per program by session 26's fit, 1 x 8k) -- Nsight Compute: stall reasons, tensor pipe, SM activity
+  for case in "8 1024" "1 8192"; do
+    set -- $case
+    RLT_ATTENTION_CONFIG=gluon_fresh=1 timeout 150 ncu --kernel-name regex:_fresh_prefill_kernel --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+      --section WarpStateStats --section InstructionStats --metrics \
+      "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_tensor.*pct_of_peak_sustained_active,sm__cycles_active.avg,sm__cycles_active.max,gpc__cycles_elapsed.max" \
+      python3 benchmarks/attention_case.py --model Nanbeige --batch $1 --ctx $2 --query $2 > "$OUT/ncu_gluon_$1x$2.txt" 2>&1
+    echo "== ncu Gluon Nanbeige $1 x $2 rc=$?"
+    grep -E "Duration|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|cycles_active|cycles_elapsed|pipe_tensor" \
+      "$OUT/ncu_gluon_$1x$2.txt" | head -16
+    grep -E "issue_stalled" "$OUT/ncu_gluon_$1x$2.txt" | awk '$NF+0 > 0.05' | sort -k3 -g -r | head -12
+  done
+fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
   # (session 25's default) and its 2048-long runs as a variant
