@@ -11,7 +11,8 @@ and SDPA with the attention table's timer (median CUDA-graph replay, L2 flushed)
     python benchmarks/gluon_prefill_probe.py [--tiles "64,64,3,4;64,64,2,4"]   # Hopper GPU
 
 Configs are ``block_m,block_n,stages,warps`` with an optional field ``q_regs`` (1, the default: the
-queries as the score product's register operand; 0: from shared memory, 1-2% slower in session 26).
+queries as the score product's register operand; 0: from shared memory, 1-2% slower in session 26),
+then any ``GLUON_TILE`` options as ``key=value`` (``64,64,3,4,1,out_smem=1``).
 Session 25 (H100, the probe's own kernel with each head's tiles launched in turn): 64 x 64 tiles,
 3 stages and 4 warps (one warp group per program, two programs per SM) were 0.81-0.89x SDPA, and
 every config that left one program per SM (more stages, 128-row tiles) 20-40% slower. The offline sm_90 compile (registers, spills, the loop's
@@ -38,10 +39,25 @@ CASES = [
 ]
 
 
-def run_gpu(cases, tiles: list[tuple[int, ...]]) -> int:
+def parse_tile(text: str) -> dict | None:
+    """``"64,64,3,4,1,one_bar=1"`` -> the tile dict; ``None`` when malformed. Keys not given: GLUON_TILE's."""
+    fields = [f.strip() for f in text.split(",")]
+    plain = [f for f in fields if "=" not in f]
+    if len(plain) not in (4, 5) or not all(f.isdigit() for f in plain):
+        return None
+    tile = dict(zip(("block_m", "block_n", "stages", "warps", "q_regs"), map(int, plain)))
+    for field in fields[len(plain) :]:
+        key, _, value = field.partition("=")
+        if "=" not in field or not value.isdigit():
+            return None
+        tile[key] = int(value)
+    return tile
+
+
+def run_gpu(cases, tiles: list[dict]) -> int:
     from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
 
-    names = [f"m{t[0]} n{t[1]} s{t[2]} w{t[3]}" + (" no q_regs" if t[4:] == (0,) else "") for t in tiles]
+    names = [" ".join(f"{key}={value}" for key, value in tile.items()) for tile in tiles]
     print("| case | " + " | ".join(f"{name} us (TFLOP/s)" for name in names) + " | SDPA us (TFLOP/s) | best vs SDPA |")
     print("|---|" + "---|" * (len(tiles) + 2))
     worst, device = 0.0, torch.device("cuda")
@@ -67,9 +83,7 @@ def run_gpu(cases, tiles: list[tuple[int, ...]]) -> int:
         out = torch.empty_like(packed[0])
         flops = 4 * batch * heads * 128 * seq * seq / 2  # causal: half the score matrix
         cells, best = [], float("inf")
-        for m, n, stages, warps, *q_regs in tiles:
-            tile = {"block_m": m, "block_n": n, "stages": stages, "warps": warps}
-            tile |= {"q_regs": q_regs[0]} if q_regs else {}  # else GLUON_TILE's
+        for tile in tiles:
 
             def run(tile=tile, out=out, packed=packed, cache=cache, seq_lens=seq_lens, starts=starts, scale=scale):
                 launch_fresh_prefill(*packed, cache, seq_lens, starts, out, scale, tile=tile)
@@ -92,12 +106,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tiles",
         default="64,64,3,4;64,64,3,4,0",
-        help="configs 'block_m,block_n,stages,warps[,q_regs];...' (q_regs 0: the queries from shared memory)",
+        help="configs 'block_m,block_n,stages,warps[,q_regs][,key=value...];...' (q_regs 0: the queries from "
+        "shared memory; key=value: more GLUON_TILE options)",
     )
     args = parser.parse_args(argv)
-    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";") if t.strip()]
-    if any(len(t) not in (4, 5) for t in tiles):
-        parser.error(f"--tiles takes block_m,block_n,stages,warps[,q_regs] entries, got {args.tiles!r}")
+    tiles = [parse_tile(t) for t in args.tiles.split(";") if t.strip()]
+    if not all(tiles):
+        parser.error(f"--tiles takes block_m,block_n,stages,warps[,q_regs][,key=value...] entries, got {args.tiles!r}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("error: needs a Hopper GPU (the offline compile: tests/test_prefill_gluon.py)", file=sys.stderr)
         return 2

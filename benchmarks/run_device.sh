@@ -49,6 +49,16 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending90 ]]; then
+  # session 27 (issue 3, ~2 min): pending89 found the Gluon kernel's output stored 4 bytes at a time (LSU throttle
+  # on 8 x 1k) and four CTA barriers per key tile around its TMA copies; out_smem (16-byte stores through shared
+  # memory) and one_bar (K and V on one barrier) -- parity, then the kernel alone
+  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py > "$OUT/gpu_gluon.log" 2>&1
+  tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
+  timeout 200 python3 benchmarks/gluon_prefill_probe.py \
+    --tiles "64,64,3,4;64,64,3,4,1,out_smem=1;64,64,3,4,1,one_bar=1;64,64,3,4,1,one_bar=1,out_smem=1" > "$OUT/probe_out.md" 2>&1
+  echo "probe rc=$?"; cat "$OUT/probe_out.md"
+fi
 if [[ $what == pending89 ]]; then
   # session 27 (issue 3, ~3 min): where the Gluon prefill kernel's time goes on fresh prompts (8 x 1k: ~5.6 us of
   # fixed cost per program by session 26's fit, 1 x 8k) -- Nsight Compute: stall reasons, tensor pipe, SM activity
