@@ -1,6 +1,6 @@
 """Prefill attention through ``rlt::attention_triton``'s op path (KV write + attention): the TMA
 kernel (``kernels/prefill_tma.py``) per tile config, with the KV write inside it or separate, against the unified paged kernel (the op with
-``prefill_tma=0``) and SDPA on the same data.
+``prefill_tma=0``) and SDPA on the same data (on pre-gathered K/V, and gather + SDPA).
 
 Cases: fresh causal prompts (8 x 1k, 1 x 8k; SDPA on pre-gathered K/V, ``is_causal``), chunks after a
 cached prefix (2 x 512 queries at the end of 2560 tokens) and a decode-heavy mix (one 512-token
@@ -60,8 +60,10 @@ def paged_inputs(heads, kv_heads, dim, dtype, device, batch, ctx, q_len):
     return (q, k, v, cache, slots, tables, seq_lens, qsl), (q_s, k_s, v_s)
 
 
-def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
-    from attention_bench import bench, sdpa
+def run_case(name, dims, label, inputs, dense, tiles, smoke, ctx=None) -> list[str]:
+    """Rows of one case; with ``dense`` (fresh prompts of ``ctx`` tokens) also SDPA on pre-gathered K/V
+    and gather + SDPA (the gather out of the paged cache timed with it, ``attention_bench``'s)."""
+    from attention_bench import bench, gathered_sdpa, sdpa
 
     from rlt_compile.kernels.triton_attention import attention_forward
 
@@ -78,6 +80,10 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
     rows = []
     t_unified = None if smoke else bench(lambda: op({"prefill_tma": False}), device)
     t_sdpa = None if smoke or dense is None else bench(lambda: sdpa(*dense, scale, True), device)
+    t_gathered = None
+    if not smoke and dense is not None:
+        cache, tables = inputs[3], inputs[5]
+        t_gathered = bench(lambda: gathered_sdpa(dense[0], cache, tables, ctx, scale, True), device)
     for block_m, block_n, warps, stages, fuse_write, extra in tiles:
         cfg = {"prefill_tma": True, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages}
         cfg |= {"fuse_write": fuse_write, **extra}
@@ -91,13 +97,13 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke) -> list[str]:
             continue
         if smoke:
             assert err < 1e-4, (name, label, tile, err)
-            rows.append(f"| {name} | {label} | {tile} | - | - | - | - | {err:.1e} |")
+            rows.append(f"| {name} | {label} | {tile} | - | - | - | - | - | - | {err:.1e} |")
             continue
-        vs_sdpa = f"{t_sdpa / t:.2f}x" if t_sdpa else "-"
-        sdpa_us = f"{t_sdpa * 1e3:.0f}" if t_sdpa else "-"
+        baselines = [(f"{base * 1e3:.0f}", f"{base / t:.2f}x") if base else ("-", "-") for base in (t_sdpa, t_gathered)]
         rows.append(
             f"| {name} | {label} | {tile} | {t * 1e3:.0f} | {t_unified * 1e3:.0f} | {t_unified / t:.2f}x | "
-            f"{sdpa_us} | {vs_sdpa} | {err:.1e} |"
+            + " | ".join(" | ".join(pair) for pair in baselines)
+            + f" | {err:.1e} |"
         )
         print(rows[-1], flush=True)
     return rows
@@ -130,13 +136,14 @@ def main(argv=None) -> int:
         models, fresh, chunk, mix, tiles = MODELS, [(8, 1024), (1, 8192)], (2, 2560, 512), (512, 31, 2048), TILES
     tiles = tiles[:1] + [(*tiles[0][:5], extra) for extra in extras] + ([] if args.default_tile_only else tiles[1:])
     lines = [
-        "| model | case | TMA tile | op us | unified op us | vs unified | SDPA us | vs SDPA | max err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | case | TMA tile | op us | unified op us | vs unified | SDPA us | vs SDPA | gather + SDPA us "
+        "| vs gather + SDPA | max err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, dims in models.items():
         for batch, ctx in fresh:
             inputs, dense = paged_inputs(*dims, dtype, device, batch, ctx, ctx)
-            lines += run_case(name, dims, f"fresh {batch} x {ctx}", inputs, dense, tiles, args.smoke)
+            lines += run_case(name, dims, f"fresh {batch} x {ctx}", inputs, dense, tiles, args.smoke, ctx)
         batch, ctx, q_len = chunk
         inputs, _ = paged_inputs(*dims, dtype, device, batch, ctx, q_len)
         lines += run_case(name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles, args.smoke)

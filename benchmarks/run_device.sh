@@ -49,6 +49,16 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending91 ]]; then
+  # session 27 (issue 3, ~3 min): out_smem on by default (pending90) -- parity of both prefill kernels, then the op
+  # with and without gluon_fresh against SDPA and gather + SDPA in one process
+  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
+    > "$OUT/gpu_prefill.log" 2>&1
+  tail -1 "$OUT/gpu_prefill.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_prefill.log" | head -10
+  timeout 250 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=1" \
+    --out "$OUT/prefill_gluon.md" > "$OUT/prefill_gluon.log" 2>&1
+  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_gluon.md"
+fi
 if [[ $what == pending90 ]]; then
   # session 27 (issue 3, ~2 min): pending89 found the Gluon kernel's output stored 4 bytes at a time (LSU throttle
   # on 8 x 1k) and four CTA barriers per key tile around its TMA copies; out_smem (16-byte stores through shared

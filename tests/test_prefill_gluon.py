@@ -47,15 +47,15 @@ def compile_sm90(
     return report
 
 
-@pytest.mark.parametrize("tile", [{"q_regs": 0}, {"q_regs": 1}, {"q_regs": 1, "one_bar": 1, "out_smem": 1}])
+@pytest.mark.parametrize("tile", [{"q_regs": 0, "out_smem": 0}, {"q_regs": 1, "out_smem": 0}, {}])
 @pytest.mark.parametrize(
     ("heads", "dtype"), [((16, 16), torch.bfloat16), ((48, 8), torch.bfloat16), ((8, 2), torch.float16)]
 )
 def test_compiles_for_sm90_without_spills(heads, dtype, tile):
     """sm_90 (triton 3.6 as on the device: 164 registers, 196 with q_regs; 114760 B): no spills, no wgmma
     serialized (ptxas C7514), two programs per SM; in the key loop the tile's eight score wgmmas and
-    the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them, none
-    with ``one_bar``)."""
+    the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them).
+    ``{}``: GLUON_TILE's defaults."""
     report = compile_sm90(*heads, dtype, tile=tile)
     assert (report.spill_stores, report.spill_loads) == (0, 0), report
     assert not any("C7514" in w for w in report.extra["ptxas_perf_warnings"]), report.extra
@@ -65,8 +65,7 @@ def test_compiles_for_sm90_without_spills(heads, dtype, tile):
             m.group(1)
             for m in re.finditer(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|SYNCS\.PHASECHK)", report.extra["sass"])
         ]
-        v_wait = [] if tile.get("one_bar") else ["SYNCS.PHASECHK"]  # one_bar: the K wait covered V
-        loop = ["HGMMA.64x64x16"] * 8 + v_wait + ["HGMMA.64x128x16"] * 4 + ["WARPGROUP.DEPBAR"]
+        loop = ["HGMMA.64x64x16"] * 8 + ["SYNCS.PHASECHK"] + ["HGMMA.64x128x16"] * 4 + ["WARPGROUP.DEPBAR"]
         assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
 
 
@@ -115,9 +114,9 @@ def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile", [{}, {"one_bar": 1, "out_smem": 1}])
+@pytest.mark.parametrize("tile", [{}, {"out_smem": 0}])
 def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens, context_lens, dtype, tile):
-    """``tile``: GLUON_TILE options over its defaults (K and V on one barrier, the output through shared memory)."""
+    """``tile``: GLUON_TILE options over its defaults (``out_smem=0``: the output stored from the wgmma layout)."""
     for key, value in tile.items():
         monkeypatch.setitem(prefill_gluon.GLUON_TILE, key, value)
     launches = []

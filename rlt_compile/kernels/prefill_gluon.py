@@ -46,27 +46,21 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # block_m, block_n, stages, warps and q_regs (the queries as the score product's register operand: 1-2% less
 # time on all four fresh cases, H100, session 26): one warp group per program, two programs per SM (112 KiB
 # of shared memory each at head dim 128); every tile that left one program per SM was 20-40% slower (session 25)
-# one_bar (K and V of a stage on one barrier) and out_smem (the output through shared memory to 16-byte
-# stores; needs q_regs): off until measured
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1, "one_bar": 0, "out_smem": 0}
+# and out_smem (the output tile through the queries' shared memory, free once they sit in registers, to
+# 16-byte stores instead of the wgmma layout's 4-byte ones: 3-16% less time on all four fresh cases, H100,
+# session 27, most on 8 x 1k prompts, where Nsight Compute had found the stores throttling the LSU)
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1, "out_smem": 1}
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, col, pred, BLOCK_N: gl.constexpr,
-             ONE_BAR: gl.constexpr):  # fmt: skip
-    """Start the TMA copies of key/value tile ``tile`` (rows from ``row0``) into stage ``tile % STAGES``;
-    with ``ONE_BAR`` both copies arrive on the stage's key barrier."""
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, col, pred, BLOCK_N: gl.constexpr):
+    """Start the TMA copies of key/value tile ``tile`` (rows from ``row0``) into stage ``tile % STAGES``."""
     stage = tile % k_smem.shape[0]
     nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
-    if ONE_BAR:
-        mbarrier.expect(k_bars.index(stage), 2 * nbytes, pred=pred)
-        _tma_load(k_desc, [row0 + tile * BLOCK_N, col], k_bars.index(stage), k_smem.index(stage), pred)
-        _tma_load(v_desc, [row0 + tile * BLOCK_N, col], k_bars.index(stage), v_smem.index(stage), pred)
-    else:
-        mbarrier.expect(k_bars.index(stage), nbytes, pred=pred)
-        _tma_load(k_desc, [row0 + tile * BLOCK_N, col], k_bars.index(stage), k_smem.index(stage), pred)
-        mbarrier.expect(v_bars.index(stage), nbytes, pred=pred)
-        _tma_load(v_desc, [row0 + tile * BLOCK_N, col], v_bars.index(stage), v_smem.index(stage), pred)
+    mbarrier.expect(k_bars.index(stage), nbytes, pred=pred)
+    _tma_load(k_desc, [row0 + tile * BLOCK_N, col], k_bars.index(stage), k_smem.index(stage), pred)
+    mbarrier.expect(v_bars.index(stage), nbytes, pred=pred)
+    _tma_load(v_desc, [row0 + tile * BLOCK_N, col], v_bars.index(stage), v_smem.index(stage), pred)
 
 
 @gluon.jit
@@ -141,7 +135,6 @@ def _fresh_prefill_kernel(
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
     Q_REGS: gl.constexpr,
-    ONE_BAR: gl.constexpr,
     OUT_SMEM: gl.constexpr,
 ):
     head = gl.program_id(0)
@@ -196,7 +189,7 @@ def _fresh_prefill_kernel(
     mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
     _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
     for i in gl.static_range(STAGES):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N, ONE_BAR)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
@@ -218,8 +211,7 @@ def _fresh_prefill_kernel(
         prev = j - 1
         mbarrier.wait(k_bars.index(j % STAGES), (j // STAGES) & 1)
         s = warpgroup_mma(q_op, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if not ONE_BAR:  # (with it, tile j-1's wait before its scores covered V too)
-            mbarrier.wait(v_bars.index(prev % STAGES), (prev // STAGES) & 1)
+        mbarrier.wait(v_bars.index(prev % STAGES), (prev // STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_next = warpgroup_mma(p_op, v_smem.index(prev % STAGES), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
@@ -230,12 +222,11 @@ def _fresh_prefill_kernel(
         # tile j-1 is consumed (its scores and its PV): its stage takes tile j-1+STAGES
         _load_kv(
             k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, prev + STAGES, q_start, kv_col, prev + STAGES < num_kv,
-            BLOCK_N, ONE_BAR,
+            BLOCK_N,
         )  # fmt: skip
 
     last = num_kv - 1
-    if not ONE_BAR:
-        mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -317,7 +308,6 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
         WRITE_KV=slot_mapping is not None,
         ROW_LAYOUT=_row_layout(head_dim, warps),
         Q_REGS=tile["q_regs"],
-        ONE_BAR=tile["one_bar"],
         OUT_SMEM=tile["out_smem"],
         num_warps=warps,
     )
