@@ -129,14 +129,54 @@ def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens
     assert launches == [1]
 
 
+@pytest.mark.parametrize(
+    ("heads", "config", "expected"),
+    [
+        ((6, 2), {}, True),  # GQA: on unless set
+        ((4, 4), {}, False),  # MHA: off unless set
+        ((6, 2), {"gluon_fresh": 0}, False),
+        ((4, 4), {"gluon_fresh": 1}, True),
+    ],
+)
+def test_gluon_fresh_defaults_to_gqa_batches(monkeypatch, heads, config, expected):
+    """Unset, ``gluon_fresh`` sends fresh sequences to the Gluon kernel for GQA models only (Triton's
+    interpreter runs the TMA kernel; a stand-in for the Gluon launch computes its rows by reference)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(prefill_tma, "uses_gluon_fresh", lambda *args: True)
+    launches = []
+
+    def stand_in(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping=None, tile=None):
+        launches.append(1)
+        kv_write_reference(k, v, kv_cache, slot_mapping)
+        ref = paged_attention_reference(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+        out[: ref.shape[0]] = ref
+
+    q, k, v, cache, md = make_case([40, 23], [0, 0], *heads, 16, 8, torch.float32, seed=2)
+    block_tables = md.block_tables
+    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", stand_in)
+    ref_cache = cache.clone()
+    kv_write_reference(k, v, ref_cache, md.slot_mapping)
+    meta = (md.block_tables, md.seq_lens, md.query_start_loc, 16**-0.5)
+    ref = paged_attention_reference(q, ref_cache, *meta)
+    out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config={"prefill_tma": True, **config})
+    assert launches == ([1] if expected else [])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache, ref_cache)
+
+
 @hopper
 @pytest.mark.gpu
-def test_off_by_default_and_off_for_fp32(monkeypatch):
-    """``gluon_fresh`` is opt-in, and an fp32 batch (forced onto the TMA kernel) never takes it."""
+def test_on_for_gqa_by_default_off_for_mha_and_fp32(monkeypatch):
+    """``gluon_fresh`` unset: a GQA batch takes the Gluon kernel, an MHA batch stays on the TMA kernel,
+    and an fp32 batch (forced onto the TMA kernel) never takes it; launches counted, outputs checked."""
     launches = []
-    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1))
+    launch = prefill_gluon.launch_fresh_prefill
+    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))
     case = make_case([100], [0], 4, 4, 128, 16, torch.bfloat16, device="cuda")
     check_attention(case, None, config={"prefill_tma": True}, fused=True)
     case = make_case([100], [0], 4, 4, 64, 16, torch.float32, device="cuda")
     check_attention(case, None, config=GLUON, fused=True)
     assert launches == []
+    case = make_case([100, 37], [0, 0], 12, 4, 128, 16, torch.bfloat16, device="cuda")
+    check_attention(case, None, config={"prefill_tma": True}, fused=True)
+    assert launches == [1]

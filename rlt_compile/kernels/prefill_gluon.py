@@ -39,6 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from rlt_compile.kernels.attention_common import LOG2E
 
 __all__ = ["GLUON_TILE", "launch_fresh_prefill", "fresh_prefill_launch"]
+REQUIRES = "supports_wgmma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared

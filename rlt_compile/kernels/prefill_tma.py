@@ -223,8 +223,12 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     same on 8 x 1k within 2%, so it is on),
     and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
     ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
-    the rest to this one; off: in the op (session 26, H100) it took 0.97x this kernel's time on
-    Nanbeige's 1 x 8k prompt and 1.01-1.10x on every other case.
+    the rest to this one. Unset, it is on for GQA (query heads per KV head > 1) and off for MHA: in
+    the op (session 27, H100, with the Gluon kernel's 16-byte output stores) it took 0.88x / 0.90x
+    this kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k prompts and 1.01-1.05x on its
+    chunks and prompt with decodes (the TMA kernel's second launch, every fresh program exiting,
+    costs 9-17 us), but on Ouro's (MHA 16) 1.05x / 1.00x on the fresh prompts and up to 1.05x on the
+    rest.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -234,7 +238,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_fresh": 0}
+    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_fresh": None}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -325,7 +329,8 @@ def prefill_tma_attention(
         precision = "ieee"
     pdl = pdl_mode(q)
     k_cache = kv_cache[0]
-    gluon_fresh = bool(cfg["gluon_fresh"]) and uses_gluon_fresh(q, head_dim, interpret)
+    wanted = num_heads > num_kv_heads if cfg["gluon_fresh"] is None else bool(cfg["gluon_fresh"])
+    gluon_fresh = wanted and uses_gluon_fresh(q, head_dim, interpret)
     if gluon_fresh:
         from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
 
