@@ -49,6 +49,17 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending92 ]]; then
+  # session 27 (issue 3, ~5 min): gluon_fresh on for GQA by default -- the final block's GPU tests with the Gluon ones,
+  # then the op's default (and gluon_fresh=0 as the TMA-only baseline) against SDPA and gather + SDPA
+  timeout 270 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_pdl.py tests/test_triton_kernels.py \
+    tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_prefill_tma.py tests/test_prefill_gluon.py tests/test_gemv.py \
+    tests/test_fuse_rmsnorm.py tests/test_fuse_rope_gemv.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_fresh=0" \
+    --out "$OUT/prefill_default.md" > "$OUT/prefill_default.log" 2>&1
+  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_default.md"
+fi
 if [[ $what == pending91 ]]; then
   # session 27 (issue 3, ~3 min): out_smem on by default (pending90) -- parity of both prefill kernels, then the op
   # with and without gluon_fresh against SDPA and gather + SDPA in one process
