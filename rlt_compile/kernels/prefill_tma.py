@@ -224,7 +224,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
     ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
     the rest to this one. Unset, it is on for GQA (query heads per KV head > 1) and off for MHA: in
-    the op (session 27, H100, with the Gluon kernel's 16-byte output stores) it took 0.88x / 0.90x
+    the op (session 27, H100, with the Gluon kernel's 16-byte output stores) it took 0.88-0.89x / 0.90-0.93x
     this kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k prompts and 1.01-1.05x on its
     chunks and prompt with decodes (the TMA kernel's second launch, every fresh program exiting,
     costs 9-17 us), but on Ouro's (MHA 16) 1.05x / 1.00x on the fresh prompts and up to 1.05x on the
