@@ -47,7 +47,7 @@ def compile_sm90(
     return report
 
 
-@pytest.mark.parametrize("tile", [{"q_regs": 0, "out_smem": 0}, {"q_regs": 1, "out_smem": 0}, {}])
+@pytest.mark.parametrize("tile", [{"q_regs": 0, "out_smem": 0}, {"q_regs": 1, "out_smem": 0}, {}, {"producer": 1}])
 @pytest.mark.parametrize(
     ("heads", "dtype"), [((16, 16), torch.bfloat16), ((48, 8), torch.bfloat16), ((8, 2), torch.float16)]
 )
@@ -55,9 +55,15 @@ def test_compiles_for_sm90_without_spills(heads, dtype, tile):
     """sm_90 (triton 3.6 as on the device: 164 registers, 196 with q_regs; 114760 B): no spills, no wgmma
     serialized (ptxas C7514), two programs per SM; in the key loop the tile's eight score wgmmas and
     the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them).
-    ``{}``: GLUON_TILE's defaults."""
+    ``{}``: GLUON_TILE's defaults. ``producer``: launched at 128 registers a thread (two warp groups,
+    two programs per SM), the warp group then raised to 232 and the copy warp's group lowered to 24."""
     report = compile_sm90(*heads, dtype, tile=tile)
     assert (report.spill_stores, report.spill_loads) == (0, 0), report
+    if tile.get("producer"):
+        assert report.n_regs == 128, report
+        if "sass" in report.extra:
+            regs = re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", report.extra["sass"])
+            assert {int(r, 16) for r in regs} == {24, 232}, regs
     assert not any("C7514" in w for w in report.extra["ptxas_perf_warnings"]), report.extra
     assert report.shared + 1024 <= 228 * 1024 // 2, report.shared  # + the 1 KiB reserved per CTA
     if "sass" in report.extra:
@@ -114,9 +120,10 @@ def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile", [{}, {"out_smem": 0}])
+@pytest.mark.parametrize("tile", [{}, {"out_smem": 0}, {"producer": 1}])
 def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens, context_lens, dtype, tile):
-    """``tile``: GLUON_TILE options over its defaults (``out_smem=0``: the output stored from the wgmma layout)."""
+    """``tile``: GLUON_TILE options over its defaults (``out_smem=0``: the output stored from the wgmma
+    layout; ``producer``: a copy warp issues the K/V copies)."""
     for key, value in tile.items():
         monkeypatch.setitem(prefill_gluon.GLUON_TILE, key, value)
     launches = []

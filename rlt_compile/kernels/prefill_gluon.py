@@ -50,7 +50,9 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # and out_smem (the output tile through the queries' shared memory, free once they sit in registers, to
 # 16-byte stores instead of the wgmma layout's 4-byte ones: 3-16% less time on all four fresh cases, H100,
 # session 27, most on 8 x 1k prompts, where Nsight Compute had found the stores throttling the LSU)
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1, "out_smem": 1}
+# producer: one extra warp issues the K/V copies (gl.warp_specialize), the warp group only waits and
+# frees stages; off until measured
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1, "out_smem": 1, "producer": 0}
 
 
 @gluon.jit
@@ -137,6 +139,7 @@ def _fresh_prefill_kernel(
     ROW_LAYOUT: gl.constexpr,
     Q_REGS: gl.constexpr,
     OUT_SMEM: gl.constexpr,
+    PRODUCER: gl.constexpr,
 ):
     head = gl.program_id(0)
     pid = gl.program_id(1)
@@ -163,6 +166,88 @@ def _fresh_prefill_kernel(
     num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
 
     dtype: gl.constexpr = q_desc.block_type.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # PRODUCER's
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(free_bars.index(i), count=1)
+
+    # rows past the sequence (the next one's, or past T: zeros) are computed and never stored
+    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
+    _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+    smem = (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, free_bars)
+    ptrs = (k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr)
+    strides = (stride_kt, stride_vt, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch)
+    where = (q_start, q_len, m0, num_kv, head, kv_head, kv_col)
+    if PRODUCER:  # one warp issues the K/V copies; the warp group computes
+        gl.warp_specialize(
+            [
+                (
+                    _attend,
+                    (
+                        k_desc,
+                        v_desc,
+                        smem,
+                        ptrs,
+                        strides,
+                        where,
+                        scale_log2,
+                        GROUP,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_SIZE,
+                        WARPS,
+                        WRITE_KV,
+                        ROW_LAYOUT,
+                        Q_REGS,
+                        OUT_SMEM,
+                        PRODUCER,
+                    ),
+                ),  # fmt: skip
+                (_kv_producer, (k_desc, v_desc, smem, q_start, kv_col, num_kv, BLOCK_N)),
+            ],
+            [1],
+            [24],
+        )
+    else:
+        for i in gl.static_range(STAGES):
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N)
+        _attend(k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
+                WARPS, WRITE_KV, ROW_LAYOUT, Q_REGS, OUT_SMEM, PRODUCER)  # fmt: skip
+
+
+@gluon.jit
+def _kv_producer(k_desc, v_desc, smem, q_start, kv_col, num_kv, BLOCK_N: gl.constexpr):
+    """``PRODUCER``'s copy warp: each key/value tile into its stage once the warp group freed it."""
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, free_bars = smem
+    STAGES: gl.constexpr = k_smem.shape[0]
+    for j in range(num_kv):
+        # a fresh barrier counts as phase 1 complete: the first round of stages passes at once
+        mbarrier.wait(free_bars.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, j, q_start, kv_col, True, BLOCK_N)
+
+
+@gluon.jit
+def _attend(k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, WARPS: gl.constexpr,
+            WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr, Q_REGS: gl.constexpr, OUT_SMEM: gl.constexpr,
+            PRODUCER: gl.constexpr):  # fmt: skip
+    """The warp group's part: the key loop of one query tile (the K/V copies issued here, or freed to
+    the copy warp with ``PRODUCER``), its output rows and its K/V rows in the cache."""
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, free_bars = smem
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr = ptrs
+    stride_kt, stride_vt, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch = strides
+    q_start, q_len, m0, num_kv, head, kv_head, kv_col = where
+    STAGES: gl.constexpr = k_smem.shape[0]
+    dtype: gl.constexpr = k_desc.block_type.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -174,23 +259,6 @@ def _fresh_prefill_kernel(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    # rows past the sequence (the next one's, or past T: zeros) are computed and never stored
-    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
-    _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
-    for i in gl.static_range(STAGES):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
@@ -221,10 +289,13 @@ def _fresh_prefill_kernel(
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         # tile j-1 is consumed (its scores and its PV): its stage takes tile j-1+STAGES
-        _load_kv(
-            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, prev + STAGES, q_start, kv_col, prev + STAGES < num_kv,
-            BLOCK_N,
-        )  # fmt: skip
+        if PRODUCER:
+            mbarrier.arrive(free_bars.index(prev % STAGES), count=1)
+        else:
+            _load_kv(
+                k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, prev + STAGES, q_start, kv_col,
+                prev + STAGES < num_kv, BLOCK_N,
+            )  # fmt: skip
 
     last = num_kv - 1
     mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
@@ -236,6 +307,7 @@ def _fresh_prefill_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
+        mbarrier.invalidate(free_bars.index(i))
 
     out = (acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype)
     if OUT_SMEM:  # through the queries' shared memory (free: they sit in registers) to 16-byte stores
@@ -310,8 +382,11 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
         ROW_LAYOUT=_row_layout(head_dim, warps),
         Q_REGS=tile["q_regs"],
         OUT_SMEM=tile["out_smem"],
+        PRODUCER=tile["producer"],
         num_warps=warps,
     )
+    if tile["producer"]:  # 4 + 1 warps take two warp groups: 128 registers each at launch keeps two programs per SM
+        kwargs["maxnreg"] = 128
     grid = (num_heads, num_tokens // block_m + num_seqs)
     return _fresh_prefill_kernel, grid, args, kwargs
 
