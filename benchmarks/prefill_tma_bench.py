@@ -1,6 +1,6 @@
 """Prefill attention through ``rlt::attention_triton``'s op path (KV write + attention): the TMA
 kernel (``kernels/prefill_tma.py``) per tile config, with the KV write inside it or separate, against the unified paged kernel (the op with
-``prefill_tma=0``) and SDPA on the same data (on pre-gathered K/V, and gather + SDPA).
+``prefill_tma=0``) and SDPA on the same data (on pre-gathered K/V, gather + SDPA, write + gather + SDPA).
 
 Cases: fresh causal prompts (8 x 1k, 1 x 8k; SDPA on pre-gathered K/V, ``is_causal``), chunks after a
 cached prefix (2 x 512 queries at the end of 2560 tokens) and a decode-heavy mix (one 512-token
@@ -61,8 +61,10 @@ def paged_inputs(heads, kv_heads, dim, dtype, device, batch, ctx, q_len):
 
 
 def run_case(name, dims, label, inputs, dense, tiles, smoke, ctx=None) -> list[str]:
-    """Rows of one case; with ``dense`` (fresh prompts of ``ctx`` tokens) also SDPA on pre-gathered K/V
-    and gather + SDPA (the gather out of the paged cache timed with it, ``attention_bench``'s)."""
+    """Rows of one case; with ``dense`` (fresh prompts of ``ctx`` tokens) also SDPA on pre-gathered K/V,
+    gather + SDPA (the gather out of the paged cache timed with it, ``attention_bench``'s) and write +
+    gather + SDPA (the step's K/V rows scattered into the cache first, as the op does: what a paged
+    runtime without its own attention kernel runs)."""
     from attention_bench import bench, gathered_sdpa, sdpa
 
     from rlt_compile.kernels.triton_attention import attention_forward
@@ -80,10 +82,17 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke, ctx=None) -> list[s
     rows = []
     t_unified = None if smoke else bench(lambda: op({"prefill_tma": False}), device)
     t_sdpa = None if smoke or dense is None else bench(lambda: sdpa(*dense, scale, True), device)
-    t_gathered = None
+    t_gathered = t_written = None
     if not smoke and dense is not None:
-        cache, tables = inputs[3], inputs[5]
+        k, v, cache, slots, tables = inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]
+
+        def written():
+            for plane, rows in ((cache[0], k), (cache[1], v)):
+                plane.view(-1, *plane.shape[-2:]).index_copy_(0, slots, rows)
+            return gathered_sdpa(dense[0], cache, tables, ctx, scale, True)
+
         t_gathered = bench(lambda: gathered_sdpa(dense[0], cache, tables, ctx, scale, True), device)
+        t_written = bench(written, device)
     for block_m, block_n, warps, stages, fuse_write, extra in tiles:
         cfg = {"prefill_tma": True, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages}
         cfg |= {"fuse_write": fuse_write, **extra}
@@ -97,9 +106,12 @@ def run_case(name, dims, label, inputs, dense, tiles, smoke, ctx=None) -> list[s
             continue
         if smoke:
             assert err < 1e-4, (name, label, tile, err)
-            rows.append(f"| {name} | {label} | {tile} | - | - | - | - | - | - | {err:.1e} |")
+            rows.append(f"| {name} | {label} | {tile} | - | - | - | - | - | - | - | - | {err:.1e} |")
             continue
-        baselines = [(f"{base * 1e3:.0f}", f"{base / t:.2f}x") if base else ("-", "-") for base in (t_sdpa, t_gathered)]
+        baselines = [
+            (f"{base * 1e3:.0f}", f"{base / t:.2f}x") if base else ("-", "-")
+            for base in (t_sdpa, t_gathered, t_written)
+        ]
         rows.append(
             f"| {name} | {label} | {tile} | {t * 1e3:.0f} | {t_unified * 1e3:.0f} | {t_unified / t:.2f}x | "
             + " | ".join(" | ".join(pair) for pair in baselines)
@@ -137,8 +149,8 @@ def main(argv=None) -> int:
     tiles = tiles[:1] + [(*tiles[0][:5], extra) for extra in extras] + ([] if args.default_tile_only else tiles[1:])
     lines = [
         "| model | case | TMA tile | op us | unified op us | vs unified | SDPA us | vs SDPA | gather + SDPA us "
-        "| vs gather + SDPA | max err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs gather + SDPA | write + gather + SDPA us | vs write + gather + SDPA | max err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, dims in models.items():
         for batch, ctx in fresh:
