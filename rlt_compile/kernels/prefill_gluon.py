@@ -19,7 +19,9 @@ head of each KV group). The grid is (heads, query tiles) with the heads on the f
 head's heaviest tile of a sequence launches before its next tile. Programs map to sequences as in
 the other kernels (``query_start_loc[s] // BLOCK_M + s``, no host reads); programs of sequences with
 a cached prefix, and of the padding rows, return at once: ``prefill_tma_attention`` runs them in the
-TMA kernel, launched after this one with ``SKIP_FRESH``.
+TMA kernel, launched after this one with ``SKIP_FRESH``. The output tile leaves through the queries'
+shared memory as 16-byte stores (``out_smem``). With ``producer`` one more warp (``gl.warp_specialize``)
+issues the K/V copies and the warp group only waits for tiles and frees stages.
 
 The benchmark probe this kernel grew from (``benchmarks/gluon_prefill_probe.py``, session 25, H100):
 1.07-1.25x the TMA prefill op on fresh 8 x 1k and 1 x 8k prompts, 0.81-0.89x cuDNN's SDPA. Gluon
@@ -186,37 +188,15 @@ def _fresh_prefill_kernel(
     ptrs = (k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr)
     strides = (stride_kt, stride_vt, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch)
     where = (q_start, q_len, m0, num_kv, head, kv_head, kv_col)
-    if PRODUCER:  # one warp issues the K/V copies; the warp group computes
+    if PRODUCER:  # one warp issues the K/V copies; the warp group computes (argument tuples inline: a
+        # tuple bound to a name turns its items into tensors, which a layout cannot be)
         gl.warp_specialize(
-            [
-                (
-                    _attend,
-                    (
-                        k_desc,
-                        v_desc,
-                        smem,
-                        ptrs,
-                        strides,
-                        where,
-                        scale_log2,
-                        GROUP,
-                        HEAD_DIM,
-                        BLOCK_M,
-                        BLOCK_N,
-                        BLOCK_SIZE,
-                        WARPS,
-                        WRITE_KV,
-                        ROW_LAYOUT,
-                        Q_REGS,
-                        OUT_SMEM,
-                        PRODUCER,
-                    ),
-                ),  # fmt: skip
-                (_kv_producer, (k_desc, v_desc, smem, q_start, kv_col, num_kv, BLOCK_N)),
-            ],
+            [(_attend, (k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        BLOCK_SIZE, WARPS, WRITE_KV, ROW_LAYOUT, Q_REGS, OUT_SMEM, PRODUCER)),
+             (_kv_producer, (k_desc, v_desc, smem, q_start, kv_col, num_kv, BLOCK_N))],
             [1],
             [24],
-        )
+        )  # fmt: skip
     else:
         for i in gl.static_range(STAGES):
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N)
