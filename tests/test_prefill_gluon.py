@@ -1,7 +1,9 @@
-"""Causal prefill of fresh sequences in Gluon (``kernels/prefill_gluon.py``, ``gluon_fresh=1``).
+"""Causal prefill of fresh sequences in Gluon (``kernels/prefill_gluon.py``, ``gluon_fresh``: on by
+default for GQA models).
 
 CPU: the kernel compiled offline for sm_90 (Triton's interpreter cannot run Gluon): no spills, no
-``wgmma`` serialized by ptxas, two programs per SM. GPU (``-m gpu``, Hopper): the op's path with the
+``wgmma`` serialized by ptxas, two programs per SM; the default's GQA / MHA rule with a stand-in for
+the launch. GPU (``-m gpu``, Hopper): the op's path with the
 fresh sequences in the Gluon kernel and the rest in the TMA kernel against the torch reference, with
 the KV write, for fresh prompts, chunks after a cached prefix, decode rows, GQA and MHA, lengths off
 the tiles and padding token rows.
