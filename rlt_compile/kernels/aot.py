@@ -175,9 +175,7 @@ def _is_kernel(obj, module_name: str) -> bool:
 
     if not getattr(_python_fn(obj), "__name__", "").endswith("_kernel"):
         return False
-    if _is_gluon(obj):
-        return getattr(obj, "module", module_name) == module_name
-    if isinstance(obj, JITFunction):
+    if _is_gluon(obj) or isinstance(obj, JITFunction):
         return getattr(obj, "module", module_name) == module_name
     if not inspect.isfunction(obj) or obj.__module__ != module_name:
         return False

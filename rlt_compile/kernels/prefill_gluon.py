@@ -174,12 +174,16 @@ def _fresh_prefill_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # PRODUCER's
+    if PRODUCER:  # the warp group frees stages to the copy warp
+        free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(free_bars.index(i), count=1)
+    else:  # unused: the warp group issues the copies itself
+        free_bars = k_bars
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(free_bars.index(i), count=1)
 
     # rows past the sequence (the next one's, or past T: zeros) are computed and never stored
     mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
@@ -287,7 +291,8 @@ def _attend(k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP: gl.co
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
-        mbarrier.invalidate(free_bars.index(i))
+        if PRODUCER:
+            mbarrier.invalidate(free_bars.index(i))
 
     out = (acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype)
     if OUT_SMEM:  # through the queries' shared memory (free: they sit in registers) to 16-byte stores
