@@ -77,10 +77,13 @@ def test_compiles_for_sm90_without_spills(heads, dtype, tile):
         assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
 
 
-def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch):
-    """With ``gluon_fresh`` the TMA kernel (Triton's interpreter) skips the fresh sequences, whose rows
-    and K/V a stand-in for the Gluon launch writes (its rows: a sentinel); the chunk, the decode row
-    and the padding rows are the TMA kernel's, and the cache ends up as the reference's."""
+SENTINEL = 7.0  # the output rows the Gluon launch's stand-in writes
+
+
+def stand_in_gluon(monkeypatch) -> list[int]:
+    """Triton's interpreter for the TMA kernel, and the Gluon launch (which it cannot run) replaced by
+    a stand-in: the fresh sequences' rows get ``SENTINEL``, their K/V rows go to the cache. Returns
+    the sequences the stand-in served, filled in as the op runs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(prefill_tma, "uses_gluon_fresh", lambda *args: True)
     fresh = []
@@ -91,10 +94,18 @@ def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch)
             a, b = starts[seq], starts[seq + 1]
             if seq_len == b - a:
                 fresh.append(seq)
-                out[a:b] = 7.0
+                out[a:b] = SENTINEL
                 kv_write_reference(k[a:b], v[a:b], kv_cache, slot_mapping[a:b])
 
     monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", stand_in)
+    return fresh
+
+
+def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch):
+    """With ``gluon_fresh`` the TMA kernel (Triton's interpreter) skips the fresh sequences, whose rows
+    and K/V a stand-in for the Gluon launch writes (its rows: a sentinel); the chunk, the decode row
+    and the padding rows are the TMA kernel's, and the cache ends up as the reference's."""
+    fresh = stand_in_gluon(monkeypatch)
     query_lens, context_lens = [40, 17, 1, 23], [0, 30, 12, 0]
     q, k, v, cache, md = make_case(query_lens, context_lens, 6, 2, 16, 8, torch.float32, pad_tokens=3, seed=5)
     ref_cache = cache.clone()
@@ -105,7 +116,7 @@ def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch)
     assert fresh == [0, 3] and torch.equal(cache, ref_cache)
     rows = torch.cat([torch.full((n,), c == 0) for n, c in zip(query_lens, context_lens)])
     n = rows.shape[0]
-    assert (out[:n][rows] == 7.0).all()
+    assert (out[:n][rows] == SENTINEL).all()
     torch.testing.assert_close(out[:n][~rows], ref[:n][~rows], rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(out[n:]) == 0  # padding rows
 
@@ -148,29 +159,20 @@ def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens
     ],
 )
 def test_gluon_fresh_defaults_to_gqa_batches(monkeypatch, heads, config, expected):
-    """Unset, ``gluon_fresh`` sends fresh sequences to the Gluon kernel for GQA models only (Triton's
-    interpreter runs the TMA kernel; a stand-in for the Gluon launch computes its rows by reference)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(prefill_tma, "uses_gluon_fresh", lambda *args: True)
-    launches = []
-
-    def stand_in(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping=None, tile=None):
-        launches.append(1)
-        kv_write_reference(k, v, kv_cache, slot_mapping)
-        ref = paged_attention_reference(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
-        out[: ref.shape[0]] = ref
-
+    """Unset, ``gluon_fresh`` sends fresh sequences to the Gluon kernel (its stand-in here) for GQA
+    models only; otherwise the TMA kernel (Triton's interpreter) computes them."""
+    fresh = stand_in_gluon(monkeypatch)
     q, k, v, cache, md = make_case([40, 23], [0, 0], *heads, 16, 8, torch.float32, seed=2)
-    block_tables = md.block_tables
-    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", stand_in)
     ref_cache = cache.clone()
     kv_write_reference(k, v, ref_cache, md.slot_mapping)
     meta = (md.block_tables, md.seq_lens, md.query_start_loc, 16**-0.5)
-    ref = paged_attention_reference(q, ref_cache, *meta)
     out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config={"prefill_tma": True, **config})
-    assert launches == ([1] if expected else [])
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(cache, ref_cache)
+    if expected:
+        assert fresh == [0, 1] and (out == SENTINEL).all()
+    else:
+        assert fresh == []
+        torch.testing.assert_close(out, paged_attention_reference(q, ref_cache, *meta), rtol=1e-5, atol=1e-5)
 
 
 @hopper
