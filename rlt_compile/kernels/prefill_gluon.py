@@ -50,7 +50,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # time on all four fresh cases, H100, session 26): one warp group per program, two programs per SM (112 KiB
 # of shared memory each at head dim 128); every tile that left one program per SM was 20-40% slower (session 25)
 # and out_smem (the output tile through the queries' shared memory, free once they sit in registers, to
-# 16-byte stores instead of the wgmma layout's 4-byte ones: 3-16% less time on all four fresh cases, H100,
+# 16-byte stores instead of the wgmma layout's 4-byte ones: 1.4-16% less time on the four fresh cases, H100,
 # session 27, most on 8 x 1k prompts, where Nsight Compute had found the stores throttling the LSU)
 # producer: one extra warp issues the K/V copies (gl.warp_specialize), the warp group only waits and
 # frees stages; off until measured
