@@ -10,9 +10,8 @@ and SDPA with the attention table's timer (median CUDA-graph replay, L2 flushed)
 
     python benchmarks/gluon_prefill_probe.py [--tiles "64,64,3,4;64,64,2,4"]   # Hopper GPU
 
-Configs are ``block_m,block_n,stages,warps`` with an optional field ``q_regs`` (1, the default: the
-queries as the score product's register operand; 0: from shared memory, 1-2% slower in session 26),
-then any ``GLUON_TILE`` options as ``key=value`` (``64,64,3,4,1,out_smem=1``).
+Configs are ``block_m,block_n,stages,warps``, then any more ``GLUON_TILE`` options as ``key=value``
+(``64,64,3,4,persistent=2``).
 Session 25 (H100, the probe's own kernel with each head's tiles launched in turn): 64 x 64 tiles,
 3 stages and 4 warps (one warp group per program, two programs per SM) were 0.81-0.89x SDPA, and
 every config that left one program per SM (more stages, 128-row tiles) 20-40% slower. The offline sm_90 compile (registers, spills, the loop's
@@ -40,12 +39,12 @@ CASES = [
 
 
 def parse_tile(text: str) -> dict | None:
-    """``"64,64,3,4,1,one_bar=1"`` -> the tile dict; ``None`` when malformed. Keys not given: GLUON_TILE's."""
+    """``"64,64,3,4,persistent=2"`` -> the tile dict; ``None`` when malformed. Keys not given: GLUON_TILE's."""
     fields = [f.strip() for f in text.split(",")]
     plain = [f for f in fields if "=" not in f]
-    if len(plain) not in (4, 5) or not all(f.isdigit() for f in plain):
+    if len(plain) != 4 or not all(f.isdigit() for f in plain):
         return None
-    tile = dict(zip(("block_m", "block_n", "stages", "warps", "q_regs"), map(int, plain)))
+    tile = dict(zip(("block_m", "block_n", "stages", "warps"), map(int, plain)))
     for field in fields[len(plain) :]:
         key, _, value = field.partition("=")
         if "=" not in field or not value.isdigit():
@@ -105,14 +104,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--tiles",
-        default="64,64,3,4;64,64,3,4,0",
-        help="configs 'block_m,block_n,stages,warps[,q_regs][,key=value...];...' (q_regs 0: the queries from "
-        "shared memory; key=value: more GLUON_TILE options)",
+        default="64,64,3,4;64,64,3,4,persistent=2",
+        help="configs 'block_m,block_n,stages,warps[,key=value...];...' (key=value: more GLUON_TILE options)",
     )
     args = parser.parse_args(argv)
     tiles = [parse_tile(t) for t in args.tiles.split(";") if t.strip()]
     if not all(tiles):
-        parser.error(f"--tiles takes block_m,block_n,stages,warps[,q_regs][,key=value...] entries, got {args.tiles!r}")
+        parser.error(f"--tiles takes block_m,block_n,stages,warps[,key=value...] entries, got {args.tiles!r}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("error: needs a Hopper GPU (the offline compile: tests/test_prefill_gluon.py)", file=sys.stderr)
         return 2

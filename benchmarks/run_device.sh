@@ -50,18 +50,20 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending93 ]]; then
-  # session 27 (issue 3, ~4 min; written after the session's device time ran out): the Gluon kernel's producer option
-  # (one copy warp through gl.warp_specialize; the warp group's CTA barriers per key tile 4 -> 2 in the SASS) --
-  # parity (GPU tests), then the kernel alone
-  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py > "$OUT/gpu_gluon.log" 2>&1
+if [[ $what == pending94 ]]; then
+  # session 28 (issue 3, ~4 min): the Gluon kernel rewritten with its copy warp always on and work items
+  # (query tile, head) taken in turn; persistent=N launches N programs per SM instead of one per item --
+  # parity (GPU tests, both kernels), the kernel alone, then the op with it
+  timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
+    > "$OUT/gpu_gluon.log" 2>&1
   tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 150 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,1,producer=1" > "$OUT/probe_producer.md" 2>&1
-  echo "probe rc=$?"; cat "$OUT/probe_producer.md"
-  # the op's default against SDPA, gather + SDPA and write + gather + SDPA (the last column new in session 27)
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --out "$OUT/prefill_default.md" \
-    > "$OUT/prefill_default.log" 2>&1
-  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-13 "$OUT/prefill_default.md"
+  timeout 150 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,persistent=2" \
+    > "$OUT/probe_persistent.md" 2>&1
+  echo "probe rc=$?"; cat "$OUT/probe_persistent.md"
+  timeout 240 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
+    --extra "gluon_persistent=2;gluon_fresh=1;gluon_fresh=1,gluon_persistent=2" --out "$OUT/prefill_persistent.md" \
+    > "$OUT/prefill_persistent.log" 2>&1
+  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_persistent.md"
 fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs

@@ -49,32 +49,55 @@ def compile_sm90(
     return report
 
 
-@pytest.mark.parametrize("tile", [{"q_regs": 0, "out_smem": 0}, {"q_regs": 1, "out_smem": 0}, {}, {"producer": 1}])
 @pytest.mark.parametrize(
     ("heads", "dtype"), [((16, 16), torch.bfloat16), ((48, 8), torch.bfloat16), ((8, 2), torch.float16)]
 )
-def test_compiles_for_sm90_without_spills(heads, dtype, tile):
-    """sm_90 (triton 3.6 as on the device: 164 registers, 196 with q_regs; 114760 B): no spills, no wgmma
-    serialized (ptxas C7514), two programs per SM; in the key loop the tile's eight score wgmmas and
-    the previous tile's four PV wgmmas issue back to back (only the V tile's barrier between them).
-    ``{}``: GLUON_TILE's defaults. ``producer``: launched at 128 registers a thread (two warp groups,
-    two programs per SM), the warp group then raised to 232 and the copy warp's group lowered to 24."""
-    report = compile_sm90(*heads, dtype, tile=tile)
+def test_compiles_for_sm90_without_spills(heads, dtype):
+    """sm_90 (triton 3.6 as on the device; 114908 B): no spills, no wgmma serialized (ptxas C7514), two
+    programs per SM, launched at 128 registers a thread (the warp group and the copy warp take two warp
+    groups), then the warp group raised to 232 and the copy warp's group lowered to 24; in the key loop
+    the tile's eight score wgmmas and the previous tile's four PV wgmmas issue back to back (only the V
+    tile's barrier between them)."""
+    report = compile_sm90(*heads, dtype)
     assert (report.spill_stores, report.spill_loads) == (0, 0), report
-    if tile.get("producer"):
-        assert report.n_regs == 128, report
-        if "sass" in report.extra:
-            regs = re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", report.extra["sass"])
-            assert {int(r, 16) for r in regs} == {24, 232}, regs
+    assert report.n_regs == 128, report
     assert not any("C7514" in w for w in report.extra["ptxas_perf_warnings"]), report.extra
     assert report.shared + 1024 <= 228 * 1024 // 2, report.shared  # + the 1 KiB reserved per CTA
     if "sass" in report.extra:
+        regs = re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", report.extra["sass"])
+        assert {int(r, 16) for r in regs} == {24, 232}, regs
         ops = [
             m.group(1)
             for m in re.finditer(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|SYNCS\.PHASECHK)", report.extra["sass"])
         ]
         loop = ["HGMMA.64x64x16"] * 8 + ["SYNCS.PHASECHK"] + ["HGMMA.64x128x16"] * 4 + ["WARPGROUP.DEPBAR"]
         assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
+
+
+def test_tiles_must_be_square():
+    """The KV write and the output's staging use the last key tile in place: block_m must equal block_n."""
+    meta = torch.device("meta")
+    q = torch.empty(64, 4, 64, dtype=torch.bfloat16, device=meta)
+    k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device=meta)
+    cache = torch.empty(2, 8, 16, 2, 64, dtype=torch.bfloat16, device=meta)
+    lens = torch.empty(1, dtype=torch.int32, device=meta)
+    with pytest.raises(ValueError, match="block_m must equal block_n"):
+        prefill_gluon.fresh_prefill_launch(q, k, k, cache, lens, lens, q, 0.1, tile={"block_m": 128})
+
+
+@pytest.mark.parametrize(("persistent", "sms", "programs"), [(0, 132, 10), (2, 132, 10), (2, 3, 6), (1, 1, 1)])
+def test_persistent_grid(monkeypatch, persistent, sms, programs):
+    """One program per work item ((query tile slots + sequences) x heads), or ``persistent`` programs per
+    SM when that is fewer."""
+    monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
+    meta = torch.device("meta")
+    q = torch.empty(64 * 4, 2, 64, dtype=torch.bfloat16, device=meta)
+    k = torch.empty(64 * 4, 1, 64, dtype=torch.bfloat16, device=meta)
+    cache = torch.empty(2, 8, 16, 1, 64, dtype=torch.bfloat16, device=meta)
+    lens = torch.empty(1, dtype=torch.int32, device=meta)
+    tile = {"persistent": persistent}
+    _, grid, _, _ = prefill_gluon.fresh_prefill_launch(q, k, k, cache, lens, lens, q, 0.1, tile=tile)
+    assert grid == (programs,)
 
 
 SENTINEL = 7.0  # the output rows the Gluon launch's stand-in writes
@@ -133,12 +156,13 @@ def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile", [{}, {"out_smem": 0}, {"producer": 1}])
-def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens, context_lens, dtype, tile):
-    """``tile``: GLUON_TILE options over its defaults (``out_smem=0``: the output stored from the wgmma
-    layout; ``producer``: a copy warp issues the K/V copies)."""
-    for key, value in tile.items():
-        monkeypatch.setitem(prefill_gluon.GLUON_TILE, key, value)
+@pytest.mark.parametrize(("persistent", "sms"), [(0, None), (2, None), (3, 1)])
+def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms):
+    """One program per work item, ``persistent`` programs per SM, and three programs in all (``sms`` 1),
+    each then serving dozens of items through the same ring of stages and query buffer."""
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
+    if sms is not None:
+        monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
     launches = []
     launch = prefill_gluon.launch_fresh_prefill
     monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))

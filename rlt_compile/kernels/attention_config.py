@@ -283,6 +283,7 @@ CONFIG_KEYS = frozenset(
         "rescale_slack",
         "heads_first",
         "gluon_fresh",
+        "gluon_persistent",
         "split_grain",
         "early_q",
     }

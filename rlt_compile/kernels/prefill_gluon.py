@@ -32,40 +32,72 @@ offline for sm_90 in the CPU suite. 16-bit only, head dims of 64-256 that are po
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from rlt_compile.kernels.attention_common import LOG2E
+from rlt_compile.kernels.launch import sm_count
 
 __all__ = ["GLUON_TILE", "launch_fresh_prefill", "fresh_prefill_launch"]
 REQUIRES = "supports_wgmma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# and the CTA (in a warp_specialize partition: the partition's) barrier thread_barrier; later versions barrier
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-# block_m, block_n, stages, warps and q_regs (the queries as the score product's register operand: 1-2% less
-# time on all four fresh cases, H100, session 26): one warp group per program, two programs per SM (112 KiB
-# of shared memory each at head dim 128); every tile that left one program per SM was 20-40% slower (session 25)
-# and out_smem (the output tile through the queries' shared memory, free once they sit in registers, to
-# 16-byte stores instead of the wgmma layout's 4-byte ones: 1.4-16% less time on the four fresh cases, H100,
-# session 27, most on 8 x 1k prompts, where Nsight Compute had found the stores throttling the LSU)
-# producer: one extra warp issues the K/V copies (gl.warp_specialize), the warp group only waits and
-# frees stages; off until measured
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "q_regs": 1, "out_smem": 1, "producer": 0}
+# block_m, block_n, stages and warps: one warp group per program (plus the copy warp), two programs per SM
+# (112 KiB of shared memory each at head dim 128); every tile that left one program per SM was 20-40% slower
+# (session 25). block_m must equal block_n: the last key tile is then the query tile's own rows, which the KV
+# write and the output's staging use in place.
+# persistent: 0 launches one program per (query tile, head); N > 0 launches N programs per SM that take the
+# work items in turn, so the copy warp fetches the next item's queries and first key tiles while the warp
+# group finishes the current one; off until measured
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0}
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, col, pred, BLOCK_N: gl.constexpr):
-    """Start the TMA copies of key/value tile ``tile`` (rows from ``row0``) into stage ``tile % STAGES``."""
-    stage = tile % k_smem.shape[0]
+def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, stage, row, col, BLOCK_N: gl.constexpr):
+    """Start the TMA copies of the key/value tile at ``row`` into ring stage ``stage``."""
+    STAGES: gl.constexpr = k_smem.shape[0]
     nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
-    mbarrier.expect(k_bars.index(stage), nbytes, pred=pred)
-    _tma_load(k_desc, [row0 + tile * BLOCK_N, col], k_bars.index(stage), k_smem.index(stage), pred)
-    mbarrier.expect(v_bars.index(stage), nbytes, pred=pred)
-    _tma_load(v_desc, [row0 + tile * BLOCK_N, col], v_bars.index(stage), v_smem.index(stage), pred)
+    mbarrier.expect(bars.index(K_BARS + stage), nbytes)
+    _tma_load(k_desc, [row, col], bars.index(K_BARS + stage), k_smem.index(stage))
+    mbarrier.expect(bars.index(K_BARS + STAGES + stage), nbytes)
+    _tma_load(v_desc, [row, col], bars.index(K_BARS + STAGES + stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _find_item(query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, BLOCK_M: gl.constexpr,
+               CHUNK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Work item ``item`` -> ``(ok, head, q_start, q_len, m0)``: items run heads first over the programs
+    of the other kernels' mapping (sequence ``s`` owns programs ``query_start_loc[s] // BLOCK_M + s``
+    on, its causally heaviest query tile first; no host reads). ``ok`` is False for items of sequences
+    with a cached prefix, of the padding rows and past a sequence's tiles: the TMA kernel's or nobody's."""
+    head = item % num_heads
+    pid = item // num_heads
+    # the owning sequence: the last s with query_start_loc[s] // BLOCK_M + s <= pid
+    count = gl.to_tensor(0)
+    for c in range(0, num_seqs + 1, CHUNK):
+        offs_s = c + gl.arange(0, CHUNK, layout=layout)
+        starts = gl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
+        count += gl.sum((starts // BLOCK_M + offs_s <= pid).to(gl.int32), axis=0)
+    seq = gl.minimum(count - 1, num_seqs - 1)
+    q_start = gl.load(query_start_ptr + seq)
+    q_len = gl.load(query_start_ptr + seq + 1) - q_start
+    fresh = gl.load(seq_lens_ptr + seq) == q_len
+    num_tiles = (q_len + BLOCK_M - 1) // BLOCK_M
+    rank = pid - (q_start // BLOCK_M + seq)
+    ok = (count - 1 < num_seqs) & fresh & (rank < num_tiles)
+    return ok, head, q_start, q_len, (num_tiles - 1 - rank) * BLOCK_M
 
 
 @gluon.jit
@@ -93,18 +125,11 @@ def _store_kv(rows, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb,
     gl.store(cache_ptr + dst[:, None] + offs_d[None, :], rows, mask=(slot >= 0)[:, None])
 
 
-@gluon.jit
-def _write_kv(src_ptr, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_t, stride_cb, stride_cs, stride_ch,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """Store rows ``m0 ..`` of ``kv_head`` read from the step's ``src_ptr`` (``[T, Hkv * HEAD_DIM]`` rows)."""
-    offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    tok = (q_start + offs_r).to(gl.int64)
-    rows = gl.load(
-        src_ptr + tok[:, None] * stride_t + kv_head * HEAD_DIM + offs_d[None, :], mask=(offs_r < q_len)[:, None]
-    )
-    _store_kv(rows, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM,
-              BLOCK_M, BLOCK_SIZE, layout)  # fmt: skip
+# the barriers' slots: a query tile landed / the warp group holds it in registers, then STAGES each of
+# key tile landed, value tile landed, stage free again
+Q_BAR = gl.constexpr(0)
+Q_FREE = gl.constexpr(1)
+K_BARS = gl.constexpr(2)
 
 
 @gluon.jit
@@ -112,8 +137,6 @@ def _fresh_prefill_kernel(
     q_desc,
     k_desc,
     v_desc,
-    k_ptr,
-    v_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
@@ -122,8 +145,8 @@ def _fresh_prefill_kernel(
     out_ptr,
     scale_log2,
     num_seqs,
-    stride_kt,
-    stride_vt,
+    num_heads,
+    num_items,
     stride_ot,
     stride_oh,
     stride_cb,
@@ -136,101 +159,72 @@ def _fresh_prefill_kernel(
     BLOCK_SIZE: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
-    SEQ_P: gl.constexpr,
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
-    Q_REGS: gl.constexpr,
-    OUT_SMEM: gl.constexpr,
-    PRODUCER: gl.constexpr,
 ):
-    head = gl.program_id(0)
-    pid = gl.program_id(1)
-    # the sequence owning this program: the last s with query_start_loc[s] // BLOCK_M + s <= pid
-    # (attention_common._program_sequence's search; a @triton.jit helper cannot be called from Gluon)
-    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    offs_s = gl.arange(0, SEQ_P, layout=seq_layout)
-    starts = gl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
-    seq = gl.sum((starts // BLOCK_M + offs_s <= pid).to(gl.int32), axis=0) - 1
-    if seq >= num_seqs:  # padding rows: the TMA kernel's
-        return
-    # three more dependent loads; picking the bounds out of ``starts`` instead was 0.3-2.3% slower (session 26)
-    q_start = gl.load(query_start_ptr + seq)
-    q_len = gl.load(query_start_ptr + seq + 1) - q_start
-    if gl.load(seq_lens_ptr + seq) != q_len:  # a cached prefix: the TMA kernel's
-        return
-    num_tiles = (q_len + BLOCK_M - 1) // BLOCK_M
-    rank = pid - (q_start // BLOCK_M + seq)
-    if rank >= num_tiles:
-        return
-    m0 = (num_tiles - 1 - rank) * BLOCK_M  # the causally heaviest tile first
-    kv_head = head // GROUP
-    kv_col = kv_head * HEAD_DIM
-    num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
-
     dtype: gl.constexpr = q_desc.block_type.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if PRODUCER:  # the warp group frees stages to the copy warp
-        free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(free_bars.index(i), count=1)
-    else:  # unused: the warp group issues the copies itself
-        free_bars = k_bars
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    # rows past the sequence (the next one's, or past T: zeros) are computed and never stored
-    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
-    _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
-    smem = (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, free_bars)
-    ptrs = (k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr)
-    strides = (stride_kt, stride_vt, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch)
-    where = (q_start, q_len, m0, num_kv, head, kv_head, kv_col)
-    if PRODUCER:  # one warp issues the K/V copies; the warp group computes (argument tuples inline: a
-        # tuple bound to a name turns its items into tensors, which a layout cannot be)
-        gl.warp_specialize(
-            [(_attend, (k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        BLOCK_SIZE, WARPS, WRITE_KV, ROW_LAYOUT, Q_REGS, OUT_SMEM, PRODUCER)),
-             (_kv_producer, (k_desc, v_desc, smem, q_start, kv_col, num_kv, BLOCK_N))],
-            [1],
-            [24],
-        )  # fmt: skip
-    else:
-        for i in gl.static_range(STAGES):
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, q_start, kv_col, i < num_kv, BLOCK_N)
-        _attend(k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
-                WARPS, WRITE_KV, ROW_LAYOUT, Q_REGS, OUT_SMEM, PRODUCER)  # fmt: skip
+    bars = gl.allocate_shared_memory(gl.int64, [K_BARS + 3 * STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(K_BARS + 3 * STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    smem = (q_smem, k_smem, v_smem, bars)
+    ptrs = (k_cache_ptr, v_cache_ptr, slot_ptr, seq_lens_ptr, query_start_ptr, out_ptr)
+    sizes = (num_seqs, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch)
+    # argument tuples inline: a tuple bound to a name turns its items into tensors, which a layout cannot be
+    gl.warp_specialize(
+        [(_attend, (q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                    BLOCK_SIZE, WARPS, WRITE_KV, ROW_LAYOUT)),
+         (_copy_warp, (q_desc, k_desc, v_desc, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N))],
+        [1],
+        [24],
+    )  # fmt: skip
 
 
 @gluon.jit
-def _kv_producer(k_desc, v_desc, smem, q_start, kv_col, num_kv, BLOCK_N: gl.constexpr):
-    """``PRODUCER``'s copy warp: each key/value tile into its stage once the warp group freed it."""
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, free_bars = smem
+def _copy_warp(q_desc, k_desc, v_desc, smem, ptrs, sizes, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """The copy warp: each item's query tile once the warp group holds the previous one in registers,
+    then its key/value tiles into the ring as the warp group frees stages."""
+    q_smem, k_smem, v_smem, bars = smem
+    seq_lens_ptr, query_start_ptr = ptrs[3], ptrs[4]
+    num_seqs, num_heads, num_items = sizes[0], sizes[1], sizes[2]
     STAGES: gl.constexpr = k_smem.shape[0]
-    for j in range(num_kv):
-        # a fresh barrier counts as phase 1 complete: the first round of stages passes at once
-        mbarrier.wait(free_bars.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, j, q_start, kv_col, True, BLOCK_N)
+    FREE: gl.constexpr = K_BARS + 2 * STAGES
+    ring = 0  # key tiles copied so far: the ring's stage and phase
+    served = 0  # items served so far: the query barriers' phase
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        ok, head, q_start, q_len, m0 = _find_item(
+            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, BLOCK_M, 32, gl.BlockedLayout([1], [32], [1], [0])
+        )
+        if ok:
+            # a fresh barrier counts as phase 1 complete: the first wait on each passes at once
+            mbarrier.wait(bars.index(Q_FREE), (served & 1) ^ 1)
+            mbarrier.expect(bars.index(Q_BAR), BLOCK_M * HEAD_DIM * 2)
+            _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], bars.index(Q_BAR), q_smem)
+            num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+            for j in range(num_kv):
+                stage = (ring + j) % STAGES
+                mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
+                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, stage, q_start + j * BLOCK_N, (head // GROUP) * HEAD_DIM,
+                         BLOCK_N)  # fmt: skip
+            ring += num_kv
+            served += 1
 
 
 @gluon.jit
-def _attend(k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _attend(q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, WARPS: gl.constexpr,
-            WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr, Q_REGS: gl.constexpr, OUT_SMEM: gl.constexpr,
-            PRODUCER: gl.constexpr):  # fmt: skip
-    """The warp group's part: the key loop of one query tile (the K/V copies issued here, or freed to
-    the copy warp with ``PRODUCER``), its output rows and its K/V rows in the cache."""
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, free_bars = smem
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr = ptrs
-    stride_kt, stride_vt, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch = strides
-    q_start, q_len, m0, num_kv, head, kv_head, kv_col = where
+            WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
+    """The warp group: for each item, the key loop of its query tile, then its output rows and (the
+    first query head of a KV group) its K/V rows in the cache."""
+    q_smem, k_smem, v_smem, bars = smem
+    k_cache_ptr, v_cache_ptr, slot_ptr, seq_lens_ptr, query_start_ptr, out_ptr = ptrs
+    num_seqs, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch = sizes
     STAGES: gl.constexpr = k_smem.shape[0]
+    V_BARS: gl.constexpr = K_BARS + STAGES
+    FREE: gl.constexpr = K_BARS + 2 * STAGES
     dtype: gl.constexpr = k_desc.block_type.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
@@ -238,87 +232,84 @@ def _attend(k_desc, v_desc, smem, ptrs, strides, where, scale_log2, GROUP: gl.co
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
     )
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
-    mbarrier.wait(q_bar, 0)
-    if Q_REGS:  # the score product's A operand from registers: half its shared-memory reads
-        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q_op = q_smem
-    mbarrier.wait(k_bars.index(0), 0)
-    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, m0, scale_log2, BLOCK_N, col_s)
+    ring = 0  # key tiles consumed so far: the ring's stage and phase
+    served = 0  # items served so far: the query barrier's phase
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        ok, head, q_start, q_len, m0 = _find_item(
+            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, BLOCK_M, 32 * WARPS, seq_layout
+        )
+        if ok:
+            num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+            m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
-    for j in range(1, num_kv):
-        prev = j - 1
-        mbarrier.wait(k_bars.index(j % STAGES), (j // STAGES) & 1)
-        s = warpgroup_mma(q_op, k_smem.index(j % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_bars.index(prev % STAGES), (prev // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc_next = warpgroup_mma(p_op, v_smem.index(prev % STAGES), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, m0, scale_log2, BLOCK_N, col_s)
-        # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        # tile j-1 is consumed (its scores and its PV): its stage takes tile j-1+STAGES
-        if PRODUCER:
-            mbarrier.arrive(free_bars.index(prev % STAGES), count=1)
-        else:
-            _load_kv(
-                k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, prev + STAGES, q_start, kv_col,
-                prev + STAGES < num_kv, BLOCK_N,
-            )  # fmt: skip
+            # the queries as the score product's register operand (half its shared-memory reads); their
+            # buffer then takes the next item's
+            mbarrier.wait(bars.index(Q_BAR), served & 1)
+            q_op = q_smem.load(q_layout)
+            _barrier()  # every warp's reads done before the one thread's arrive
+            mbarrier.arrive(bars.index(Q_FREE), count=1)
 
-    last = num_kv - 1
-    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    # copies issued for tiles past num_kv were predicated off; every issued one has been waited for
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-        if PRODUCER:
-            mbarrier.invalidate(free_bars.index(i))
+            stage = ring % STAGES
+            mbarrier.wait(bars.index(K_BARS + stage), (ring // STAGES) & 1)
+            s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, m0, scale_log2, BLOCK_N, col_s)
+            for j in range(1, num_kv):
+                prev = stage
+                stage = (ring + j) % STAGES
+                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, m0, scale_log2, BLOCK_N, col_s)
+                # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
+            mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
 
-    out = (acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype)
-    if OUT_SMEM:  # through the queries' shared memory (free: they sit in registers) to 16-byte stores
-        q_smem.store(out)
-        out = q_smem.load(ROW_LAYOUT)
-        offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROW_LAYOUT))
-        cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROW_LAYOUT))
-    else:
-        offs_r = m0 + gl.arange(0, BLOCK_M, layout=row_o)
-        cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=col_o)
-    rows = (q_start + offs_r).to(gl.int64)
-    gl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], out, mask=(offs_r < q_len)[:, None])
-
-    if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
-        if head % GROUP == 0:
-            if BLOCK_M == BLOCK_N:  # the last key tile is the query tile's own rows, still in shared memory
-                stage = last % STAGES
-                _store_kv(k_smem.index(stage).load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head,
-                          stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-                _store_kv(v_smem.index(stage).load(ROW_LAYOUT), v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head,
-                          stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-            else:
-                _write_kv(k_ptr, k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_kt, stride_cb, stride_cs,
-                          stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-                _write_kv(v_ptr, v_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_vt, stride_cb, stride_cs,
-                          stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+            # the last key tile is the query tile's own rows (block_m == block_n), still in its stage:
+            # the KV write reads them there, then the output tile goes through the K buffer to 16-byte stores
+            k_last = k_smem.index(stage)
+            if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
+                if head % GROUP == 0:
+                    kv_head = head // GROUP
+                    _store_kv(k_last.load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb,
+                              stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+                    _store_kv(v_smem.index(stage).load(ROW_LAYOUT), v_cache_ptr, slot_ptr, q_start, m0, q_len,
+                              kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE,
+                              ROW_LAYOUT)  # fmt: skip
+            k_last.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype))
+            out = k_last.load(ROW_LAYOUT)
+            offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROW_LAYOUT))
+            cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROW_LAYOUT))
+            rows = (q_start + offs_r).to(gl.int64)
+            gl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], out, mask=(offs_r < q_len)[:, None])
+            # the stage's last generic reads and writes ordered before the copy warp's next TMA copy into it
+            fence_async_shared()
+            _barrier()
+            mbarrier.arrive(bars.index(FREE + stage), count=1)
+            ring += num_kv
+            served += 1
+    # every copy the copy warp issued has been waited for
+    for i in gl.static_range(K_BARS + 3 * STAGES):
+        mbarrier.invalidate(bars.index(i))
 
 
 def _row_layout(head_dim: int, warps: int):
@@ -335,24 +326,22 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     block_m, block_n, warps = tile["block_m"], tile["block_n"], tile["warps"]
-    if block_m % block_n:
-        raise ValueError(f"Gluon prefill tiles: block_m must be a multiple of block_n, got {tile}")
-    if tile["out_smem"] and not tile["q_regs"]:
-        raise ValueError(f"Gluon prefill tiles: out_smem needs q_regs (the queries' shared memory free), got {tile}")
+    if block_m != block_n:
+        raise ValueError(f"Gluon prefill tiles: block_m must equal block_n, got {tile}")
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
-    q_desc = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1], [block_m, head_dim], q_layout)
+    layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], dtype)
+    q_desc = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1], [block_m, head_dim], layout)
     width = num_kv_heads * head_dim
-    k_desc = TensorDescriptor(k, [num_tokens, width], [k.stride(0), 1], [block_n, head_dim], kv_layout)
-    v_desc = TensorDescriptor(v, [num_tokens, width], [v.stride(0), 1], [block_n, head_dim], kv_layout)
+    k_desc = TensorDescriptor(k, [num_tokens, width], [k.stride(0), 1], [block_n, head_dim], layout)
+    v_desc = TensorDescriptor(v, [num_tokens, width], [v.stride(0), 1], [block_n, head_dim], layout)
     k_cache = kv_cache[0]
     num_seqs = seq_lens.shape[0]
+    num_items = num_heads * (num_tokens // block_m + num_seqs)
     args = (
-        q_desc, k_desc, v_desc, k, v, k_cache, kv_cache[1],
+        q_desc, k_desc, v_desc, k_cache, kv_cache[1],
         slot_mapping if slot_mapping is not None else query_start_loc,  # unused without the write
-        seq_lens, query_start_loc, out, float(scale) * LOG2E, num_seqs,
-        k.stride(0), v.stride(0), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        seq_lens, query_start_loc, out, float(scale) * LOG2E, num_seqs, num_heads, num_items,
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
     )  # fmt: skip
     kwargs = dict(
         GROUP=num_heads // num_kv_heads,
@@ -362,18 +351,17 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
         BLOCK_SIZE=kv_cache.shape[2],
         STAGES=tile["stages"],
         WARPS=warps,
-        SEQ_P=max(32 * warps, triton.next_power_of_2(num_seqs + 1)),
         WRITE_KV=slot_mapping is not None,
         ROW_LAYOUT=_row_layout(head_dim, warps),
-        Q_REGS=tile["q_regs"],
-        OUT_SMEM=tile["out_smem"],
-        PRODUCER=tile["producer"],
         num_warps=warps,
+        # the warp group and the copy warp take two warp groups of registers: 128 a thread at launch keeps
+        # two programs per SM; setmaxnreg then moves them to the warp group (232) from the copy warp's (24)
+        maxnreg=128,
     )
-    if tile["producer"]:  # 4 + 1 warps take two warp groups: 128 registers each at launch keeps two programs per SM
-        kwargs["maxnreg"] = 128
-    grid = (num_heads, num_tokens // block_m + num_seqs)
-    return _fresh_prefill_kernel, grid, args, kwargs
+    programs = num_items
+    if tile["persistent"]:
+        programs = min(num_items, tile["persistent"] * sm_count(q.device))
+    return _fresh_prefill_kernel, (programs,), args, kwargs
 
 
 def launch_fresh_prefill(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale: float, slot_mapping=None,

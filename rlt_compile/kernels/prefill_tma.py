@@ -228,7 +228,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     this kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k prompts and 1.01-1.05x on its
     chunks and prompt with decodes (the TMA kernel's second launch, every fresh program exiting,
     costs 9-17 us), but on Ouro's (MHA 16) 1.05x / 1.00x on the fresh prompts and up to 1.05x on the
-    rest.
+    rest; ``gluon_persistent`` overrides the Gluon kernel's ``persistent`` (``GLUON_TILE``).
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -238,7 +238,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_fresh": None}
+    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_fresh": None, "gluon_persistent": None}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -335,7 +335,8 @@ def prefill_tma_attention(
         from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
 
         q_tma = q if _tma_ready(q) else q.contiguous()
-        launch_fresh_prefill(q_tma, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping)
+        tile = {} if cfg["gluon_persistent"] is None else {"persistent": int(cfg["gluon_persistent"])}
+        launch_fresh_prefill(q_tma, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping, tile)
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
     if cfg["heads_first"]:
         grid = grid[::-1]
