@@ -3,8 +3,8 @@
 ``rlt_compile/kernels/prefill_gluon.py`` grew from this probe (sessions 24-25), which had its own
 copy of the kernel over ``[B, S, H, D]`` prompts; it now times the package's kernel on the same
 prompts, packed as a varlen batch (``[B * S, H, D]``, ``query_start_loc`` every ``S`` tokens, no
-cached prefix, no KV write), so the kernel's time is seen without the op's TMA launch after it
-(``prefill_tma_bench.py --extra gluon_fresh=1`` times the op). For each case of the attention table
+cached prefix, no KV write), so the kernel's time is seen without the op's KV write
+(``prefill_tma_bench.py --extra gluon_prefill=1`` times the op). For each case of the attention table
 (Ouro / Nanbeige, 8 x 1k and 1 x 8k) it checks parity with SDPA (bf16), then times each tile config
 and SDPA with the attention table's timer (median CUDA-graph replay, L2 flushed).
 
@@ -54,7 +54,7 @@ def parse_tile(text: str) -> dict | None:
 
 
 def run_gpu(cases, tiles: list[dict]) -> int:
-    from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
+    from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
 
     names = [" ".join(f"{key}={value}" for key, value in tile.items()) for tile in tiles]
     print("| case | " + " | ".join(f"{name} us (TFLOP/s)" for name in names) + " | SDPA us (TFLOP/s) | best vs SDPA |")
@@ -77,6 +77,7 @@ def run_gpu(cases, tiles: list[dict]) -> int:
         ref = sdpa().transpose(1, 2).float()
         packed = [x.reshape(batch * seq, x.shape[2], 128) for x in (q, k, v)]
         cache = torch.empty(2, 1, 16, kv_heads, 128, device="cuda", dtype=torch.bfloat16)  # no KV write
+        tables = torch.zeros(batch, 1, device="cuda", dtype=torch.int32)  # no cached prefix
         seq_lens = torch.full((batch,), seq, device="cuda", dtype=torch.int32)
         starts = torch.arange(0, batch * seq + 1, seq, device="cuda", dtype=torch.int32)
         out = torch.empty_like(packed[0])
@@ -84,8 +85,9 @@ def run_gpu(cases, tiles: list[dict]) -> int:
         cells, best = [], float("inf")
         for tile in tiles:
 
-            def run(tile=tile, out=out, packed=packed, cache=cache, seq_lens=seq_lens, starts=starts, scale=scale):
-                launch_fresh_prefill(*packed, cache, seq_lens, starts, out, scale, tile=tile)
+            def run(tile=tile, out=out, packed=packed, cache=cache, tables=tables, seq_lens=seq_lens, starts=starts,
+                    scale=scale):  # fmt: skip
+                launch_gluon_prefill(*packed, cache, tables, seq_lens, starts, out, scale, tile=tile)
 
             out.zero_()
             run()

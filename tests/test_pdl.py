@@ -41,7 +41,7 @@ KERNELS = {
 }
 # Launched without PDL: the Gluon prefill kernel (an ordinary launch waits for the kernel before it, and
 # the TMA prefill kernel after it waits for it in its own prologue)
-NO_PDL = {"_fresh_prefill_kernel"}
+NO_PDL = {"_gluon_prefill_kernel"}
 # Kernels allowed to read some inputs before the prologue: inputs no kernel of the step's chain writes
 # (the decode GEMV's and the norms' weights, the decode attention's metadata), so reading them early
 # overlaps the previous kernel's tail. With the early trigger a kernel may launch several kernels

@@ -1,12 +1,11 @@
-"""Causal prefill of fresh sequences in Gluon (``kernels/prefill_gluon.py``, ``gluon_fresh``: on by
-default for GQA models).
+"""Causal prefill in Gluon (``kernels/prefill_gluon.py``, ``gluon_prefill``: on by default for GQA models).
 
 CPU: the kernel compiled offline for sm_90 (Triton's interpreter cannot run Gluon): no spills, no
-``wgmma`` serialized by ptxas, two programs per SM; the default's GQA / MHA rule with a stand-in for
-the launch. GPU (``-m gpu``, Hopper): the op's path with the
-fresh sequences in the Gluon kernel and the rest in the TMA kernel against the torch reference, with
-the KV write, for fresh prompts, chunks after a cached prefix, decode rows, GQA and MHA, lengths off
-the tiles and padding token rows.
+``wgmma`` serialized by ptxas, two programs per SM; which caches it can read; the op's routing (the
+whole batch to the Gluon launch, GQA on / MHA off by default) with a stand-in for the launch. GPU
+(``-m gpu``, Hopper): the op's path against the torch reference, with the KV write, for fresh
+prompts, chunks after a cached prefix, decode rows, GQA and MHA, lengths off the tiles and blocks,
+cache blocks of 8-128 slots, a cache holding NaN outside the prefixes, and padding token rows.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from rlt_compile.kernels.triton_attention import attention_forward
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (run with -m gpu on the device)")
-GLUON = {"prefill_tma": True, "gluon_fresh": 1}
+GLUON = {"prefill_tma": True, "gluon_prefill": 1}
 
 
 def compile_sm90(
@@ -39,10 +38,11 @@ def compile_sm90(
     seq_lens = torch.empty(3, dtype=torch.int32, device=meta)
     starts = torch.empty(4, dtype=torch.int32, device=meta)
     slots = torch.empty(300, dtype=torch.int64, device=meta)
-    kernel, grid, args, kwargs = prefill_gluon.fresh_prefill_launch(
-        q, k, torch.empty_like(k), cache, seq_lens, starts, torch.empty_like(q), head_dim**-0.5, slots, tile
+    tables = torch.empty(3, 10, dtype=torch.int32, device=meta)
+    kernel, grid, args, kwargs = prefill_gluon.gluon_prefill_launch(
+        q, k, torch.empty_like(k), cache, tables, seq_lens, starts, torch.empty_like(q), head_dim**-0.5, slots, tile
     )
-    name = f"{prefill_gluon.__name__}._fresh_prefill_kernel"
+    name = f"{prefill_gluon.__name__}._gluon_prefill_kernel"
     spec = aot._bind(aot.Launch(name, kernel, args, kwargs, grid, "test"), aot.gpu_target("cuda", "sm_90"))
     report = aot.compile_specialisation(spec, "cuda", "sm_90", sass=aot.nvdisasm_path().exists())
     assert report.ok, report.error
@@ -81,67 +81,110 @@ def test_tiles_must_be_square():
     k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device=meta)
     cache = torch.empty(2, 8, 16, 2, 64, dtype=torch.bfloat16, device=meta)
     lens = torch.empty(1, dtype=torch.int32, device=meta)
+    tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
     with pytest.raises(ValueError, match="block_m must equal block_n"):
-        prefill_gluon.fresh_prefill_launch(q, k, k, cache, lens, lens, q, 0.1, tile={"block_m": 128})
+        prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile={"block_m": 128})
 
 
-@pytest.mark.parametrize(("persistent", "sms", "programs"), [(0, 132, 10), (2, 132, 10), (2, 3, 6), (1, 1, 1)])
+@pytest.mark.parametrize(("persistent", "sms", "programs"), [(0, 132, 12), (2, 132, 12), (2, 3, 6), (1, 1, 1)])
 def test_persistent_grid(monkeypatch, persistent, sms, programs):
-    """One program per work item ((query tile slots + sequences) x heads), or ``persistent`` programs per
-    SM when that is fewer."""
+    """One program per work item ((query tile slots + sequences + the padding rows') x heads), or
+    ``persistent`` programs per SM when that is fewer."""
     monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
     meta = torch.device("meta")
     q = torch.empty(64 * 4, 2, 64, dtype=torch.bfloat16, device=meta)
     k = torch.empty(64 * 4, 1, 64, dtype=torch.bfloat16, device=meta)
     cache = torch.empty(2, 8, 16, 1, 64, dtype=torch.bfloat16, device=meta)
     lens = torch.empty(1, dtype=torch.int32, device=meta)
+    tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
     tile = {"persistent": persistent}
-    _, grid, _, _ = prefill_gluon.fresh_prefill_launch(q, k, k, cache, lens, lens, q, 0.1, tile=tile)
+    _, grid, _, _ = prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile=tile)
     assert grid == (programs,)
 
 
 SENTINEL = 7.0  # the output rows the Gluon launch's stand-in writes
 
 
-def stand_in_gluon(monkeypatch) -> list[int]:
+@pytest.mark.parametrize(
+    ("shape", "layout", "expected"),
+    [
+        ((2, 6, 16, 2, 64), "packed", True),
+        ((2, 6, 128, 2, 64), "packed", True),
+        ((2, 6, 8, 2, 64), "packed", True),
+        ((2, 6, 4, 2, 64), "packed", False),  # a box narrower than the swizzle's 8-row period
+        ((2, 6, 24, 2, 64), "packed", False),  # not a power of two
+        ((2, 6, 16, 2, 64), "halves_interleaved", False),  # [blocks, 2, ...] storage: no 2D view of a half
+    ],
+)
+def test_supports(shape, layout, expected):
+    """The kernel reads a cache's prefix through one TMA descriptor per half: contiguous halves with
+    blocks of 8+ slots, a power of two; otherwise the launch refuses it."""
+    cache = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    if layout == "halves_interleaved":
+        cache = torch.empty(shape[1], 2, *shape[2:], dtype=torch.bfloat16, device="meta").transpose(0, 1)
+    assert prefill_gluon.supports(cache) is expected
+    if not expected:
+        q = torch.empty(64, 4, 64, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device="meta")
+        lens = torch.empty(1, dtype=torch.int32, device="meta")
+        tables = torch.empty(1, 4, dtype=torch.int32, device="meta")
+        with pytest.raises(ValueError, match="contiguous cache halves"):
+            prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1)
+
+
+def stand_in_gluon(monkeypatch) -> tuple[list[int], list[int]]:
     """Triton's interpreter for the TMA kernel, and the Gluon launch (which it cannot run) replaced by
-    a stand-in: the fresh sequences' rows get ``SENTINEL``, their K/V rows go to the cache. Returns
-    the sequences the stand-in served, filled in as the op runs."""
+    a stand-in that fills ``out`` with ``SENTINEL`` and does the reference's KV write. Returns the
+    sequences of each Gluon launch and the TMA kernel's launches, filled in as the op runs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(prefill_tma, "uses_gluon_fresh", lambda *args: True)
-    fresh = []
+    monkeypatch.setattr(prefill_tma, "uses_gluon_prefill", lambda *args: True)
+    gluon_launches, tma_launches = [], []
 
-    def stand_in(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping=None, tile=None):
-        starts = query_start_loc.tolist()
-        for seq, seq_len in enumerate(seq_lens.tolist()):
-            a, b = starts[seq], starts[seq + 1]
-            if seq_len == b - a:
-                fresh.append(seq)
-                out[a:b] = SENTINEL
-                kv_write_reference(k[a:b], v[a:b], kv_cache, slot_mapping[a:b])
+    def stand_in(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, slot_mapping=None, tile=None):
+        gluon_launches.append(seq_lens.shape[0])
+        out.fill_(SENTINEL)
+        kv_write_reference(k, v, kv_cache, slot_mapping)
 
-    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", stand_in)
-    return fresh
+    kernel_for = prefill_tma.kernel_for
+    monkeypatch.setattr(prefill_gluon, "launch_gluon_prefill", stand_in)
+    monkeypatch.setattr(prefill_tma, "kernel_for", lambda *a: tma_launches.append(1) or kernel_for(*a))
+    return gluon_launches, tma_launches
 
 
-def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch):
-    """With ``gluon_fresh`` the TMA kernel (Triton's interpreter) skips the fresh sequences, whose rows
-    and K/V a stand-in for the Gluon launch writes (its rows: a sentinel); the chunk, the decode row
-    and the padding rows are the TMA kernel's, and the cache ends up as the reference's."""
-    fresh = stand_in_gluon(monkeypatch)
+@pytest.mark.parametrize(
+    ("heads", "config", "expected"),
+    [
+        ((6, 2), {}, True),  # GQA: on unless set
+        ((4, 4), {}, False),  # MHA: off unless set
+        ((6, 2), {"gluon_prefill": 0}, False),
+        ((4, 4), {"gluon_prefill": 1}, True),
+    ],
+)
+def test_gluon_prefill_defaults_to_gqa_batches(monkeypatch, heads, config, expected):
+    """Unset, ``gluon_prefill`` sends a prefill batch (fresh prompts, a chunk after a cached prefix, a
+    decode row, padding rows) to one Gluon launch (its stand-in here) for GQA models only, and no TMA
+    kernel runs then; otherwise the TMA kernel (Triton's interpreter) computes it all."""
+    gluon_launches, tma_launches = stand_in_gluon(monkeypatch)
     query_lens, context_lens = [40, 17, 1, 23], [0, 30, 12, 0]
-    q, k, v, cache, md = make_case(query_lens, context_lens, 6, 2, 16, 8, torch.float32, pad_tokens=3, seed=5)
+    q, k, v, cache, md = make_case(query_lens, context_lens, *heads, 16, 8, torch.float32, pad_tokens=3, seed=2)
     ref_cache = cache.clone()
     kv_write_reference(k, v, ref_cache, md.slot_mapping)
     meta = (md.block_tables, md.seq_lens, md.query_start_loc, 16**-0.5)
-    ref = paged_attention_reference(q, ref_cache, *meta)
-    out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config=GLUON)
-    assert fresh == [0, 3] and torch.equal(cache, ref_cache)
-    rows = torch.cat([torch.full((n,), c == 0) for n, c in zip(query_lens, context_lens)])
-    n = rows.shape[0]
-    assert (out[:n][rows] == SENTINEL).all()
-    torch.testing.assert_close(out[:n][~rows], ref[:n][~rows], rtol=1e-5, atol=1e-5)
-    assert torch.count_nonzero(out[n:]) == 0  # padding rows
+    out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config={"prefill_tma": True, **config})
+    assert torch.equal(cache, ref_cache)
+    if expected:
+        assert gluon_launches == [4] and tma_launches == [] and (out == SENTINEL).all()
+    else:
+        assert gluon_launches == [] and tma_launches == [1]
+        torch.testing.assert_close(out, paged_attention_reference(q, ref_cache, *meta), rtol=1e-5, atol=1e-5)
+
+
+def count_gluon_launches(monkeypatch) -> list[int]:
+    """Each Gluon launch appends 1 (the launch itself runs)."""
+    launches = []
+    launch = prefill_gluon.launch_gluon_prefill
+    monkeypatch.setattr(prefill_gluon, "launch_gluon_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    return launches
 
 
 @hopper
@@ -151,21 +194,20 @@ def test_fresh_sequences_go_to_gluon_and_the_rest_to_the_tma_kernel(monkeypatch)
     ("query_lens", "context_lens"),
     [
         ([200, 64, 1000], [0, 0, 0]),  # fresh prompts, on and off the 64-row tiles
-        ([130, 77, 1, 300], [0, 40, 99, 0]),  # fresh prompts beside a chunk and a decode row
+        ([130, 77, 1, 300], [0, 40, 99, 0]),  # fresh prompts beside chunks off the blocks and a decode row
         ([1, 1, 70], [5, 9, 0]),
+        ([64, 200, 33], [128, 1024, 16]),  # prefixes of whole blocks, one of whole key tiles
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("persistent", "sms"), [(0, None), (2, None), (3, 1)])
-def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms):
+def test_gluon_prefill_matches_reference(monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms):
     """One program per work item, ``persistent`` programs per SM, and three programs in all (``sms`` 1),
     each then serving dozens of items through the same ring of stages and query buffer."""
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
     if sms is not None:
         monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
-    launches = []
-    launch = prefill_gluon.launch_fresh_prefill
-    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    launches = count_gluon_launches(monkeypatch)
     case = make_case(
         query_lens, context_lens, *heads, 128, 16, dtype, pad_tokens=7, device="cuda", seed=len(query_lens)
     )
@@ -173,45 +215,46 @@ def test_fresh_sequences_in_gluon_match_reference(monkeypatch, heads, query_lens
     assert launches == [1]
 
 
-@pytest.mark.parametrize(
-    ("heads", "config", "expected"),
-    [
-        ((6, 2), {}, True),  # GQA: on unless set
-        ((4, 4), {}, False),  # MHA: off unless set
-        ((6, 2), {"gluon_fresh": 0}, False),
-        ((4, 4), {"gluon_fresh": 1}, True),
-    ],
-)
-def test_gluon_fresh_defaults_to_gqa_batches(monkeypatch, heads, config, expected):
-    """Unset, ``gluon_fresh`` sends fresh sequences to the Gluon kernel (its stand-in here) for GQA
-    models only; otherwise the TMA kernel (Triton's interpreter) computes them."""
-    fresh = stand_in_gluon(monkeypatch)
-    q, k, v, cache, md = make_case([40, 23], [0, 0], *heads, 16, 8, torch.float32, seed=2)
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+def test_block_sizes_with_nan_outside_the_prefixes(monkeypatch, block_size):
+    """Prefix boxes of one cache block (8-32 slots) or of one key tile (128-slot blocks), prefixes
+    ending inside a box and on a box's edge; every cache slot outside the prefixes holds NaN, which
+    must not reach an output (the partial tile's value rows are zeroed, whole boxes past the prefix
+    are read as TMA's zeros)."""
+    launches = count_gluon_launches(monkeypatch)
+    query_lens, context_lens = [33, 100, 1, 64, 5], [40, 128, 77, 0, 8]
+    q, k, v, cache, md = make_case(query_lens, context_lens, 48, 8, 128, block_size, torch.bfloat16, device="cuda")
+    prefix = torch.zeros(cache.shape[1] * block_size, dtype=torch.bool, device="cuda")
+    for seq, ctx in enumerate(context_lens):
+        pos = torch.arange(ctx, device="cuda")
+        prefix[md.block_tables[seq, pos // block_size].long() * block_size + pos % block_size] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~prefix] = float("nan")
     ref_cache = cache.clone()
     kv_write_reference(k, v, ref_cache, md.slot_mapping)
-    meta = (md.block_tables, md.seq_lens, md.query_start_loc, 16**-0.5)
-    out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config={"prefill_tma": True, **config})
-    assert torch.equal(cache, ref_cache)
-    if expected:
-        assert fresh == [0, 1] and (out == SENTINEL).all()
-    else:
-        assert fresh == []
-        torch.testing.assert_close(out, paged_attention_reference(q, ref_cache, *meta), rtol=1e-5, atol=1e-5)
+    meta = (md.block_tables, md.seq_lens, md.query_start_loc, 128**-0.5)
+    out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config=GLUON)
+    assert launches == [1]
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+    ref = paged_attention_reference(q, ref_cache, *meta)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @hopper
 @pytest.mark.gpu
-def test_on_for_gqa_by_default_off_for_mha_and_fp32(monkeypatch):
-    """``gluon_fresh`` unset: a GQA batch takes the Gluon kernel, an MHA batch stays on the TMA kernel,
-    and an fp32 batch (forced onto the TMA kernel) never takes it; launches counted, outputs checked."""
-    launches = []
-    launch = prefill_gluon.launch_fresh_prefill
-    monkeypatch.setattr(prefill_gluon, "launch_fresh_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))
+def test_on_for_gqa_by_default_off_for_mha_fp32_and_small_blocks(monkeypatch):
+    """``gluon_prefill`` unset: a GQA batch takes the Gluon kernel; an MHA batch, an fp32 batch (forced
+    onto the TMA kernel) and a cache of 4-slot blocks never do; launches counted, outputs checked."""
+    launches = count_gluon_launches(monkeypatch)
     case = make_case([100], [0], 4, 4, 128, 16, torch.bfloat16, device="cuda")
     check_attention(case, None, config={"prefill_tma": True}, fused=True)
     case = make_case([100], [0], 4, 4, 64, 16, torch.float32, device="cuda")
     check_attention(case, None, config=GLUON, fused=True)
+    case = make_case([100, 37], [0, 20], 12, 4, 128, 4, torch.bfloat16, device="cuda")
+    check_attention(case, None, config=GLUON, fused=True)
     assert launches == []
-    case = make_case([100, 37], [0, 0], 12, 4, 128, 16, torch.bfloat16, device="cuda")
+    case = make_case([100, 37], [0, 20], 12, 4, 128, 16, torch.bfloat16, device="cuda")
     check_attention(case, None, config={"prefill_tma": True}, fused=True)
     assert launches == [1]

@@ -282,7 +282,7 @@ CONFIG_KEYS = frozenset(
         "fold_scale",
         "rescale_slack",
         "heads_first",
-        "gluon_fresh",
+        "gluon_prefill",
         "gluon_persistent",
         "split_grain",
         "early_q",

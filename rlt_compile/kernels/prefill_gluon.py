@@ -1,4 +1,4 @@
-"""Causal attention of fresh prompts in Gluon (NVIDIA Hopper): FlashAttention-3's order in a warp group.
+"""Causal prefill attention in Gluon (NVIDIA Hopper): FlashAttention-3's order in a warp group.
 
 Triton's source cannot keep a ``wgmma`` in flight across other instructions: it waits for a score
 product right after issuing it, so the TMA prefill kernel's softmax never runs while the tensor
@@ -12,21 +12,23 @@ waits for it and rescales the accumulator:
     softmax of S(j)                                     CUDA cores, while PV(j-1) runs
     wait PV(j-1); rescale acc
 
-It serves the fresh sequences of a prefill batch (no cached prefix: ``seq_len == query_len``),
-reading ``q`` ``[T, H, D]`` and the step's own ``k``/``v`` ``[T, Hkv, D]`` through TMA, K/V in a ring
-of ``STAGES`` shared-memory buffers, and stores their K/V rows in the paged cache (the first query
-head of each KV group). The grid is (heads, query tiles) with the heads on the first axis, so every
-head's heaviest tile of a sequence launches before its next tile. Programs map to sequences as in
-the other kernels (``query_start_loc[s] // BLOCK_M + s``, no host reads); programs of sequences with
-a cached prefix, and of the padding rows, return at once: ``prefill_tma_attention`` runs them in the
-TMA kernel, launched after this one with ``SKIP_FRESH``. The output tile leaves through the queries'
-shared memory as 16-byte stores (``out_smem``). With ``producer`` one more warp (``gl.warp_specialize``)
-issues the K/V copies and the warp group only waits for tiles and frees stages.
+It serves a whole prefill batch, as ``prefill_tma_attention`` does: ``q`` ``[T, H, D]``, each
+sequence's cached prefix from the paged cache and its own keys ``k``/``v`` ``[T, Hkv, D]``, and it
+stores those own K/V rows in the cache (the first query head of each KV group). Work items are
+(query tile, head) pairs, heads first, mapped to sequences as in the other kernels (sequence ``s``
+owns tiles ``query_start_loc[s] // BLOCK_M + s`` on, its causally heaviest tile first; the virtual
+sequence ``num_seqs`` is the padding token rows, written as zeros; no host reads). A program takes
+items ``pid, pid + programs, ...`` (one each unless ``persistent``). Two partitions
+(``gl.warp_specialize``): a copy warp issues every TMA copy -- the query tile, the prefix's key /
+value tiles as one box per cache block (or per ``BLOCK_N`` rows of a larger block) and the own
+rows' tiles -- into a ring of ``STAGES`` shared-memory stages; the warp group waits for the tiles,
+computes and frees the stages. The output tile leaves through the last key stage as 16-byte stores.
 
-The benchmark probe this kernel grew from (``benchmarks/gluon_prefill_probe.py``, session 25, H100):
-1.07-1.25x the TMA prefill op on fresh 8 x 1k and 1 x 8k prompts, 0.81-0.89x cuDNN's SDPA. Gluon
-runs on the GPU only (Triton's interpreter cannot run it); it is tested on the device and compiled
-offline for sm_90 in the CPU suite. 16-bit only, head dims of 64-256 that are powers of two.
+Measured (``benchmarks/gluon_prefill_probe.py`` and ``prefill_tma_bench.py``, docs/benchmarks.md):
+on fresh prompts 0.88-0.93x the TMA kernel's time for Nanbeige (GQA), about even for Ouro (MHA).
+Gluon runs on the GPU only (Triton's interpreter cannot run it); it is tested on the device and
+compiled offline for sm_90 in the CPU suite. 16-bit only, head dims of 64-256 that are powers of
+two, a contiguous cache with blocks of at least 8 slots (``supports``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from rlt_compile.kernels.attention_common import LOG2E
 from rlt_compile.kernels.launch import sm_count
 
-__all__ = ["GLUON_TILE", "launch_fresh_prefill", "fresh_prefill_launch"]
+__all__ = ["GLUON_TILE", "gluon_prefill_launch", "launch_gluon_prefill", "supports"]
 REQUIRES = "supports_wgmma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
@@ -65,48 +67,48 @@ GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, stage, row, col, BLOCK_N: gl.constexpr):
-    """Start the TMA copies of the key/value tile at ``row`` into ring stage ``stage``."""
-    STAGES: gl.constexpr = k_smem.shape[0]
-    nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
-    mbarrier.expect(bars.index(K_BARS + stage), nbytes)
-    _tma_load(k_desc, [row, col], bars.index(K_BARS + stage), k_smem.index(stage))
-    mbarrier.expect(bars.index(K_BARS + STAGES + stage), nbytes)
-    _tma_load(v_desc, [row, col], bars.index(K_BARS + STAGES + stage), v_smem.index(stage))
-
-
-@gluon.jit
-def _find_item(query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, BLOCK_M: gl.constexpr,
+def _find_item(query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M: gl.constexpr,
                CHUNK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """Work item ``item`` -> ``(ok, head, q_start, q_len, m0)``: items run heads first over the programs
-    of the other kernels' mapping (sequence ``s`` owns programs ``query_start_loc[s] // BLOCK_M + s``
-    on, its causally heaviest query tile first; no host reads). ``ok`` is False for items of sequences
-    with a cached prefix, of the padding rows and past a sequence's tiles: the TMA kernel's or nobody's."""
+    """Work item ``item`` -> ``(kind, head, seq, q_start, q_len, ctx_len, m0)``: items run heads first over
+    the query tiles of the other kernels' mapping (sequence ``s`` owns tiles ``query_start_loc[s] //
+    BLOCK_M + s`` on, its causally heaviest first; the virtual sequence ``num_seqs`` is the padding
+    token rows). ``kind``: 1 attend (rows ``m0 ..`` of the sequence, ``ctx_len`` cached positions
+    before its first query), 2 padding rows to zero, 0 nothing (past a sequence's tiles)."""
     head = item % num_heads
     pid = item // num_heads
-    # the owning sequence: the last s with query_start_loc[s] // BLOCK_M + s <= pid
+    # the owning sequence: the last s with query_start_loc[s] // BLOCK_M + s <= pid (s = 0 always is)
     count = gl.to_tensor(0)
     for c in range(0, num_seqs + 1, CHUNK):
         offs_s = c + gl.arange(0, CHUNK, layout=layout)
         starts = gl.load(query_start_ptr + offs_s, mask=offs_s <= num_seqs, other=1 << 28)
         count += gl.sum((starts // BLOCK_M + offs_s <= pid).to(gl.int32), axis=0)
-    seq = gl.minimum(count - 1, num_seqs - 1)
+    seq = count - 1
+    real = seq < num_seqs
     q_start = gl.load(query_start_ptr + seq)
-    q_len = gl.load(query_start_ptr + seq + 1) - q_start
-    fresh = gl.load(seq_lens_ptr + seq) == q_len
+    q_end = gl.where(real, gl.load(query_start_ptr + gl.minimum(seq + 1, num_seqs)), num_tokens)
+    q_len = q_end - q_start
+    ctx_len = gl.where(real, gl.load(seq_lens_ptr + gl.minimum(seq, num_seqs - 1)) - q_len, 0)
     num_tiles = (q_len + BLOCK_M - 1) // BLOCK_M
     rank = pid - (q_start // BLOCK_M + seq)
-    ok = (count - 1 < num_seqs) & fresh & (rank < num_tiles)
-    return ok, head, q_start, q_len, (num_tiles - 1 - rank) * BLOCK_M
+    kind = gl.where(rank < num_tiles, gl.where(real, 1, 2), 0)
+    return kind, head, seq, q_start, q_len, ctx_len, (num_tiles - 1 - rank) * BLOCK_M
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, offs_m, tile, m0, scale_log2, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
-    """Online softmax of one tile's raw scores (log2 domain, the scale inside the exponent); the
-    causal mask on the tiles that reach the query tile's diagonal."""
-    if tile * BLOCK_N + BLOCK_N > m0:
-        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+def _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, m0, scale_log2, BLOCK_N: gl.constexpr,
+             col_layout: gl.constexpr):  # fmt: skip
+    """Online softmax of key tile ``j``'s raw scores (log2 domain, the scale inside the exponent). Tiles
+    below ``num_pre`` are the cached prefix: the last one masked past ``ctx_len``; then the own rows'
+    tiles, causally masked where they reach the query tile's diagonal."""
+    if j < num_pre:
+        if j * BLOCK_N + BLOCK_N > ctx_len:
+            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            s = gl.where(offs_n[None, :] < ctx_len, s, float("-inf"))
+    else:
+        own = j - num_pre
+        if own * BLOCK_N + BLOCK_N > m0:
+            offs_n = own * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * scale_log2 - m_new[:, None])
@@ -125,6 +127,16 @@ def _store_kv(rows, cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb,
     gl.store(cache_ptr + dst[:, None] + offs_d[None, :], rows, mask=(slot >= 0)[:, None])
 
 
+@gluon.jit
+def _store_rows(rows, out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Store ``rows`` as the output rows ``m0 ..`` (at most ``BLOCK_M``, within ``q_len``) of ``head``."""
+    offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ptrs = out_ptr + (q_start + offs_r).to(gl.int64)[:, None] * stride_ot + cols[None, :]
+    gl.store(ptrs, rows, mask=(offs_r < q_len)[:, None])
+
+
 # the barriers' slots: a query tile landed / the warp group holds it in registers, then STAGES each of
 # key tile landed, value tile landed, stage free again
 Q_BAR = gl.constexpr(0)
@@ -133,18 +145,22 @@ K_BARS = gl.constexpr(2)
 
 
 @gluon.jit
-def _fresh_prefill_kernel(
+def _gluon_prefill_kernel(
     q_desc,
     k_desc,
     v_desc,
+    k_cache_desc,
+    v_cache_desc,
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
     out_ptr,
     scale_log2,
     num_seqs,
+    num_tokens,
     num_heads,
     num_items,
     stride_ot,
@@ -152,11 +168,13 @@ def _fresh_prefill_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_bt,
     GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
+    BOX_ROWS: gl.constexpr,
     STAGES: gl.constexpr,
     WARPS: gl.constexpr,
     WRITE_KV: gl.constexpr,
@@ -169,63 +187,123 @@ def _fresh_prefill_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [K_BARS + 3 * STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(K_BARS + 3 * STAGES):
         mbarrier.init(bars.index(i), count=1)
+    descs = (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc)
     smem = (q_smem, k_smem, v_smem, bars)
-    ptrs = (k_cache_ptr, v_cache_ptr, slot_ptr, seq_lens_ptr, query_start_ptr, out_ptr)
-    sizes = (num_seqs, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch)
+    ptrs = (k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr)
+    sizes = (num_seqs, num_tokens, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+             stride_bt)  # fmt: skip
     # argument tuples inline: a tuple bound to a name turns its items into tensors, which a layout cannot be
     gl.warp_specialize(
-        [(_attend, (q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                    BLOCK_SIZE, WARPS, WRITE_KV, ROW_LAYOUT)),
-         (_copy_warp, (q_desc, k_desc, v_desc, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N))],
+        [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
+                    WARPS, WRITE_KV, ROW_LAYOUT)),
+         (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS))],
         [1],
         [24],
     )  # fmt: skip
 
 
 @gluon.jit
-def _copy_warp(q_desc, k_desc, v_desc, smem, ptrs, sizes, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+def _load_own(k_desc, v_desc, k_smem, v_smem, bars, stage, row, col, BLOCK_N: gl.constexpr):
+    """Start the TMA copies of the own rows' key/value tile at ``row`` into ring stage ``stage``."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
+    mbarrier.expect(bars.index(K_BARS + stage), nbytes)
+    _tma_load(k_desc, [row, col], bars.index(K_BARS + stage), k_smem.index(stage))
+    mbarrier.expect(bars.index(K_BARS + STAGES + stage), nbytes)
+    _tma_load(v_desc, [row, col], bars.index(K_BARS + STAGES + stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _load_prefix(k_desc, v_desc, k_smem, v_smem, bars, stage, table, start, ctx_len, col, BLOCK_N: gl.constexpr,
+                 BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
+    """Start the TMA copies of the cached prefix's key/value tile at position ``start`` into ring stage
+    ``stage``: one box of ``BOX_ROWS`` rows per cache block (its rows are contiguous in the cache viewed
+    as ``[blocks * block_size, Hkv * D]``). Boxes wholly past ``ctx_len`` read past the cache's last
+    row, which TMA fills with zeros (and counts, so the tile's byte count is fixed)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
+    past_end = k_desc.shape[0]
+    mbarrier.expect(bars.index(K_BARS + stage), nbytes)
+    mbarrier.expect(bars.index(K_BARS + STAGES + stage), nbytes)
+    for b in gl.static_range(BLOCK_N // BOX_ROWS):
+        pos = start + b * BOX_ROWS
+        valid = pos < ctx_len
+        block = gl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        row = gl.where(valid, block * BLOCK_SIZE + pos % BLOCK_SIZE, past_end)
+        _tma_load(k_desc, [row, col], bars.index(K_BARS + stage), k_smem.index(stage).slice(b * BOX_ROWS, BOX_ROWS))
+        _tma_load(v_desc, [row, col], bars.index(K_BARS + STAGES + stage),
+                  v_smem.index(stage).slice(b * BOX_ROWS, BOX_ROWS))  # fmt: skip
+
+
+@gluon.jit
+def _copy_warp(descs, smem, ptrs, sizes, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
     """The copy warp: each item's query tile once the warp group holds the previous one in registers,
-    then its key/value tiles into the ring as the warp group frees stages."""
+    then its prefix's and its own rows' key/value tiles into the ring as the warp group frees stages."""
+    q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc = descs
     q_smem, k_smem, v_smem, bars = smem
-    seq_lens_ptr, query_start_ptr = ptrs[3], ptrs[4]
-    num_seqs, num_heads, num_items = sizes[0], sizes[1], sizes[2]
+    block_tables_ptr, seq_lens_ptr, query_start_ptr = ptrs[3], ptrs[4], ptrs[5]
+    num_seqs, num_tokens, num_heads, num_items, stride_bt = sizes[0], sizes[1], sizes[2], sizes[3], sizes[9]
     STAGES: gl.constexpr = k_smem.shape[0]
     FREE: gl.constexpr = K_BARS + 2 * STAGES
     ring = 0  # key tiles copied so far: the ring's stage and phase
-    served = 0  # items served so far: the query barriers' phase
+    served = 0  # items attended so far: the query barriers' phase
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ok, head, q_start, q_len, m0 = _find_item(
-            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, BLOCK_M, 32, gl.BlockedLayout([1], [32], [1], [0])
-        )
-        if ok:
+        kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
+            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M, 32,
+            gl.BlockedLayout([1], [32], [1], [0]),
+        )  # fmt: skip
+        if kind == 1:
             # a fresh barrier counts as phase 1 complete: the first wait on each passes at once
             mbarrier.wait(bars.index(Q_FREE), (served & 1) ^ 1)
             mbarrier.expect(bars.index(Q_BAR), BLOCK_M * HEAD_DIM * 2)
             _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], bars.index(Q_BAR), q_smem)
-            num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
-            for j in range(num_kv):
+            col = (head // GROUP) * HEAD_DIM
+            num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
+            table = block_tables_ptr + seq.to(gl.int64) * stride_bt
+            for j in range(num_pre):
                 stage = (ring + j) % STAGES
                 mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, stage, q_start + j * BLOCK_N, (head // GROUP) * HEAD_DIM,
-                         BLOCK_N)  # fmt: skip
-            ring += num_kv
+                _load_prefix(k_cache_desc, v_cache_desc, k_smem, v_smem, bars, stage, table, j * BLOCK_N, ctx_len,
+                             col, BLOCK_N, BLOCK_SIZE, BOX_ROWS)  # fmt: skip
+            ring += num_pre
+            num_own = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+            for j in range(num_own):
+                stage = (ring + j) % STAGES
+                mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
+                _load_own(k_desc, v_desc, k_smem, v_smem, bars, stage, q_start + j * BLOCK_N, col, BLOCK_N)
+            ring += num_own
             served += 1
 
 
 @gluon.jit
-def _attend(q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, WARPS: gl.constexpr,
+def _zero_rows_past(tile, first, limit, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Zero the rows of shared-memory ``tile`` (positions ``first ..``) at ``limit`` or past it, 16 rows
+    at a time (few registers: the key loop's are taken), then order the stores before the tensor
+    cores' reads."""
+    for r in gl.static_range(0, BLOCK_N, 16):
+        rows = tile.slice(r, 16)
+        offs = first + r + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+        values = rows.load(layout)
+        rows.store(gl.where((offs < limit)[:, None], values, gl.zeros_like(values)))
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
+def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WARPS: gl.constexpr,
             WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
-    """The warp group: for each item, the key loop of its query tile, then its output rows and (the
-    first query head of a KV group) its K/V rows in the cache."""
+    """The warp group: for each item, the key loop of its query tile (prefix tiles, then own rows'),
+    then its output rows and (the first query head of a KV group) its K/V rows in the cache; padding
+    items' rows get zeros."""
     q_smem, k_smem, v_smem, bars = smem
-    k_cache_ptr, v_cache_ptr, slot_ptr, seq_lens_ptr, query_start_ptr, out_ptr = ptrs
-    num_seqs, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch = sizes
+    k_cache_ptr, v_cache_ptr, slot_ptr, _, seq_lens_ptr, query_start_ptr, out_ptr = ptrs
+    num_seqs, num_tokens, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, _ = sizes
     STAGES: gl.constexpr = k_smem.shape[0]
     V_BARS: gl.constexpr = K_BARS + STAGES
     FREE: gl.constexpr = K_BARS + 2 * STAGES
-    dtype: gl.constexpr = k_desc.block_type.element_ty
+    dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -241,13 +319,20 @@ def _attend(q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP: gl.con
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
     ring = 0  # key tiles consumed so far: the ring's stage and phase
-    served = 0  # items served so far: the query barrier's phase
+    served = 0  # items attended so far: the query barrier's phase
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        ok, head, q_start, q_len, m0 = _find_item(
-            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, BLOCK_M, 32 * WARPS, seq_layout
+        kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
+            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M, 32 * WARPS, seq_layout
         )
-        if ok:
-            num_kv = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+        if kind == 2:
+            zeros = gl.zeros([BLOCK_M, HEAD_DIM], dtype, ROW_LAYOUT)
+            _store_rows(zeros, out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M, ROW_LAYOUT)
+        if kind == 1:
+            num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
+            num_kv = num_pre + (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+            # the prefix's last tile, where it ends inside a box: its value rows past the prefix are zeroed
+            # before its PV product (the box copied whatever the cache block holds there; 0 * NaN is NaN)
+            cut = gl.where(ctx_len % BOX_ROWS != 0, num_pre - 1, -1)
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
             m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -264,17 +349,21 @@ def _attend(q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP: gl.con
             mbarrier.wait(bars.index(K_BARS + stage), (ring // STAGES) & 1)
             s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, m0, scale_log2, BLOCK_N, col_s)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, m0, scale_log2, BLOCK_N, col_s)
             for j in range(1, num_kv):
                 prev = stage
                 stage = (ring + j) % STAGES
+                if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
+                    mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                    _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
                 mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
                 s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, m0, scale_log2, BLOCK_N, col_s)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, m0, scale_log2, BLOCK_N,
+                                              col_s)  # fmt: skip
                 # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -296,11 +385,8 @@ def _attend(q_desc, k_desc, v_desc, smem, ptrs, sizes, scale_log2, GROUP: gl.con
                               kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE,
                               ROW_LAYOUT)  # fmt: skip
             k_last.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype))
-            out = k_last.load(ROW_LAYOUT)
-            offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROW_LAYOUT))
-            cols = head * stride_oh + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROW_LAYOUT))
-            rows = (q_start + offs_r).to(gl.int64)
-            gl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], out, mask=(offs_r < q_len)[:, None])
+            _store_rows(k_last.load(ROW_LAYOUT), out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, HEAD_DIM,
+                        BLOCK_M, ROW_LAYOUT)  # fmt: skip
             # the stage's last generic reads and writes ordered before the copy warp's next TMA copy into it
             fence_async_shared()
             _barrier()
@@ -318,37 +404,62 @@ def _row_layout(head_dim: int, warps: int):
     return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [warps, 1], [1, 0])
 
 
-def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale: float, slot_mapping=None, tile=None):
+def supports(kv_cache: torch.Tensor, tile: dict | None = None) -> bool:
+    """Whether the kernel can read the prefix of ``kv_cache`` ``[2, blocks, block_size, Hkv, D]``: each
+    half contiguous (one TMA descriptor over ``[blocks * block_size, Hkv * D]``) and blocks of at least
+    8 slots, a power of two (a box of a block's rows starts on the shared-memory swizzle's 8-row period)."""
+    block_size = kv_cache.shape[2]
+    return (
+        kv_cache[0].is_contiguous()
+        and kv_cache[1].is_contiguous()
+        and block_size >= 8
+        and not (block_size & (block_size - 1))
+    )
+
+
+def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale: float,
+                         slot_mapping=None, tile=None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of the Gluon launch for ``q [T, H, D]``, ``k``/``v [T, Hkv, D]``
     (TMA-ready: unit stride over the head dim, heads packed), the paged ``kv_cache`` ``[2, blocks,
-    block_size, Hkv, D]`` and ``out [T, H, D]``; also what ``kernels/aot.py``-style offline compiles bind."""
+    block_size, Hkv, D]`` (``supports``) and ``out [T, H, D]``; also what offline compiles bind."""
     tile = {**GLUON_TILE, **(tile or {})}
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     block_m, block_n, warps = tile["block_m"], tile["block_n"], tile["warps"]
     if block_m != block_n:
         raise ValueError(f"Gluon prefill tiles: block_m must equal block_n, got {tile}")
+    if not supports(kv_cache):
+        raise ValueError(f"Gluon prefill needs contiguous cache halves and blocks of 8+ slots, got {kv_cache.shape}")
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], dtype)
     q_desc = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1], [block_m, head_dim], layout)
     width = num_kv_heads * head_dim
     k_desc = TensorDescriptor(k, [num_tokens, width], [k.stride(0), 1], [block_n, head_dim], layout)
     v_desc = TensorDescriptor(v, [num_tokens, width], [v.stride(0), 1], [block_n, head_dim], layout)
+    block_size = kv_cache.shape[2]
+    box_rows = min(block_size, block_n)
+    cache_rows = kv_cache.shape[1] * block_size
+    k_cache_desc, v_cache_desc = (
+        TensorDescriptor(half.view(cache_rows, width), [cache_rows, width], [width, 1], [box_rows, head_dim], layout)
+        for half in (kv_cache[0], kv_cache[1])
+    )
     k_cache = kv_cache[0]
     num_seqs = seq_lens.shape[0]
-    num_items = num_heads * (num_tokens // block_m + num_seqs)
+    num_items = num_heads * (num_tokens // block_m + num_seqs + 1)
     args = (
-        q_desc, k_desc, v_desc, k_cache, kv_cache[1],
+        q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, k_cache, kv_cache[1],
         slot_mapping if slot_mapping is not None else query_start_loc,  # unused without the write
-        seq_lens, query_start_loc, out, float(scale) * LOG2E, num_seqs, num_heads, num_items,
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables, seq_lens, query_start_loc, out, float(scale) * LOG2E, num_seqs, num_tokens, num_heads,
+        num_items, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
     )  # fmt: skip
     kwargs = dict(
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_SIZE=block_size,
+        BOX_ROWS=box_rows,
         STAGES=tile["stages"],
         WARPS=warps,
         WRITE_KV=slot_mapping is not None,
@@ -361,13 +472,14 @@ def fresh_prefill_launch(q, k, v, kv_cache, seq_lens, query_start_loc, out, scal
     programs = num_items
     if tile["persistent"]:
         programs = min(num_items, tile["persistent"] * sm_count(q.device))
-    return _fresh_prefill_kernel, (programs,), args, kwargs
+    return _gluon_prefill_kernel, (programs,), args, kwargs
 
 
-def launch_fresh_prefill(q, k, v, kv_cache, seq_lens, query_start_loc, out, scale: float, slot_mapping=None,
-                         tile=None) -> None:  # fmt: skip
-    """Write ``out`` rows (and with ``slot_mapping`` the cache's K/V rows) of the batch's fresh sequences."""
-    kernel, grid, args, kwargs = fresh_prefill_launch(
-        q, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping, tile
+def launch_gluon_prefill(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale: float,
+                         slot_mapping=None, tile=None) -> None:  # fmt: skip
+    """Write every ``out`` row of the prefill batch (and with ``slot_mapping`` the cache's K/V rows of
+    the step's tokens)."""
+    kernel, grid, args, kwargs = gluon_prefill_launch(
+        q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, slot_mapping, tile
     )
     kernel[grid](*args, **kwargs)

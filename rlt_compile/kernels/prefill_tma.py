@@ -91,7 +91,6 @@ def _prefill_tma_kernel(
     RESCALE_SLACK: tl.constexpr,
     WRITE_KV: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
-    SKIP_FRESH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_trigger_first(USE_PDL)
@@ -118,9 +117,6 @@ def _prefill_tma_kernel(
         tl.store(o_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=row_valid[:, None])
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # cached positions before the sequence's first query
-    if SKIP_FRESH:  # noqa: SIM102 (constexpr, then runtime; fresh sequences: the Gluon kernel's, launched before)
-        if ctx_len == 0:
-            return
     kv_head = head // GROUP
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_valid[:, None])
     q = q.to(k_cache_ptr.dtype.element_ty)
@@ -221,14 +217,13 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     of 264 resident programs puts the tail at 12-15% of Ouro's fresh prompts, under 1% heads first;
     on the H100, session 26, the op took 1.5-3.6% less on 1 x 8k prompts and prompts with decodes, the
     same on 8 x 1k within 2%, so it is on),
-    and ``gluon_fresh``: the batch's fresh sequences (no cached prefix) go to the Gluon kernel of
-    ``kernels/prefill_gluon.py`` where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``),
-    the rest to this one. Unset, it is on for GQA (query heads per KV head > 1) and off for MHA: in
-    the op (session 27, H100, with the Gluon kernel's 16-byte output stores) it took 0.88-0.89x / 0.90-0.93x
-    this kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k prompts and 1.01-1.05x on its
-    chunks and prompt with decodes (the TMA kernel's second launch, every fresh program exiting,
-    costs 9-17 us), but on Ouro's (MHA 16) 1.05x / 1.00x on the fresh prompts and up to 1.05x on the
-    rest; ``gluon_persistent`` overrides the Gluon kernel's ``persistent`` (``GLUON_TILE``).
+    and ``gluon_prefill``: the whole batch goes to the Gluon kernel of ``kernels/prefill_gluon.py``
+    where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``) and the cache suits it
+    (``prefill_gluon.supports``). Unset, it is on for GQA (query heads per KV head > 1) and off for
+    MHA: in the op (session 27, H100, fresh sequences in the Gluon kernel, the rest in this one) it
+    took 0.88-0.89x / 0.90-0.93x this kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k prompts,
+    but on Ouro's (MHA 16) 1.05x / 1.00x; since session 28 the Gluon kernel reads cached prefixes too,
+    so no second launch follows it; ``gluon_persistent`` overrides its ``persistent`` (``GLUON_TILE``).
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -238,7 +233,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
         cfg = {"block_m": 32, "block_n": 16, "warps": 4, "stages": 2}
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
-    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_fresh": None, "gluon_persistent": None}
+    cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_prefill": None, "gluon_persistent": None}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -247,15 +242,17 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     return cfg
 
 
-def uses_gluon_fresh(q: torch.Tensor, head_dim: int, interpret: bool) -> bool:
-    """Whether the Gluon kernel can take a batch's fresh sequences: a GPU with Hopper's ``wgmma``, a
-    16-bit ``q`` and a head dim of 64-256 (the interpreter cannot run Gluon)."""
-    return (
-        not interpret
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and head_dim in (64, 128, 256)
-        and _platform.current_platform().supports_wgmma
-    )
+def uses_gluon_prefill(q: torch.Tensor, kv_cache: torch.Tensor, interpret: bool) -> bool:
+    """Whether the Gluon kernel can take a prefill batch: a GPU with Hopper's ``wgmma``, a 16-bit ``q``
+    and cache, a head dim of 64-256 (the interpreter cannot run Gluon) and a cache it can read
+    (``prefill_gluon.supports``)."""
+    if interpret or q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
+        return False
+    if q.shape[2] not in (64, 128, 256) or not _platform.current_platform().supports_wgmma:
+        return False
+    from rlt_compile.kernels.prefill_gluon import supports
+
+    return supports(kv_cache)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -329,14 +326,16 @@ def prefill_tma_attention(
         precision = "ieee"
     pdl = pdl_mode(q)
     k_cache = kv_cache[0]
-    wanted = num_heads > num_kv_heads if cfg["gluon_fresh"] is None else bool(cfg["gluon_fresh"])
-    gluon_fresh = wanted and uses_gluon_fresh(q, head_dim, interpret)
-    if gluon_fresh:
-        from rlt_compile.kernels.prefill_gluon import launch_fresh_prefill
+    wanted = num_heads > num_kv_heads if cfg["gluon_prefill"] is None else bool(cfg["gluon_prefill"])
+    if wanted and uses_gluon_prefill(q, kv_cache, interpret):
+        from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
 
         q_tma = q if _tma_ready(q) else q.contiguous()
         tile = {} if cfg["gluon_persistent"] is None else {"persistent": int(cfg["gluon_persistent"])}
-        launch_fresh_prefill(q_tma, k, v, kv_cache, seq_lens, query_start_loc, out, scale, slot_mapping, tile)
+        launch_gluon_prefill(
+            q_tma, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, slot_mapping, tile
+        )
+        return out
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
     if cfg["heads_first"]:
         grid = grid[::-1]
@@ -374,7 +373,6 @@ def prefill_tma_attention(
             RESCALE_SLACK=int(cfg["rescale_slack"]),
             WRITE_KV=slot_mapping is not None,
             HEADS_FIRST=bool(cfg["heads_first"]),
-            SKIP_FRESH=gluon_fresh,
             USE_PDL=pdl,
             num_warps=cfg["warps"],
             num_stages=cfg["stages"],
