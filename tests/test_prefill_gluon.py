@@ -220,9 +220,8 @@ def test_gluon_prefill_matches_reference(monkeypatch, heads, query_lens, context
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_block_sizes_with_nan_outside_the_prefixes(monkeypatch, block_size):
     """Prefix boxes of one cache block (8-32 slots) or of one key tile (128-slot blocks), prefixes
-    ending inside a box and on a box's edge; every cache slot outside the prefixes holds NaN, which
-    must not reach an output (the partial tile's value rows are zeroed, whole boxes past the prefix
-    are read as TMA's zeros)."""
+    ending inside a box, on a box's edge and on a key tile's; every cache slot outside the prefixes
+    holds NaN, which must not reach an output (a partial key tile's value rows are zeroed)."""
     launches = count_gluon_launches(monkeypatch)
     query_lens, context_lens = [33, 100, 1, 64, 5], [40, 128, 77, 0, 8]
     q, k, v, cache, md = make_case(query_lens, context_lens, 48, 8, 128, block_size, torch.bfloat16, device="cuda")

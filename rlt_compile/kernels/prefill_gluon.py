@@ -218,18 +218,18 @@ def _load_prefix(k_desc, v_desc, k_smem, v_smem, bars, stage, table, start, ctx_
                  BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
     """Start the TMA copies of the cached prefix's key/value tile at position ``start`` into ring stage
     ``stage``: one box of ``BOX_ROWS`` rows per cache block (its rows are contiguous in the cache viewed
-    as ``[blocks * block_size, Hkv * D]``). Boxes wholly past ``ctx_len`` read past the cache's last
-    row, which TMA fills with zeros (and counts, so the tile's byte count is fixed)."""
+    as ``[blocks * block_size, Hkv * D]``). Boxes wholly past ``ctx_len`` copy the cache's first rows
+    (every box is copied: the tile's byte count stays fixed), which the warp group's mask and zeroing
+    discard."""
     STAGES: gl.constexpr = k_smem.shape[0]
     nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * 2
-    past_end = k_desc.shape[0]
     mbarrier.expect(bars.index(K_BARS + stage), nbytes)
     mbarrier.expect(bars.index(K_BARS + STAGES + stage), nbytes)
     for b in gl.static_range(BLOCK_N // BOX_ROWS):
         pos = start + b * BOX_ROWS
         valid = pos < ctx_len
         block = gl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
-        row = gl.where(valid, block * BLOCK_SIZE + pos % BLOCK_SIZE, past_end)
+        row = gl.where(valid, block * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
         _tma_load(k_desc, [row, col], bars.index(K_BARS + stage), k_smem.index(stage).slice(b * BOX_ROWS, BOX_ROWS))
         _tma_load(v_desc, [row, col], bars.index(K_BARS + STAGES + stage),
                   v_smem.index(stage).slice(b * BOX_ROWS, BOX_ROWS))  # fmt: skip
@@ -330,9 +330,9 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
         if kind == 1:
             num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
             num_kv = num_pre + (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
-            # the prefix's last tile, where it ends inside a box: its value rows past the prefix are zeroed
-            # before its PV product (the box copied whatever the cache block holds there; 0 * NaN is NaN)
-            cut = gl.where(ctx_len % BOX_ROWS != 0, num_pre - 1, -1)
+            # the prefix's last tile, where it is partial: its value rows past the prefix are zeroed before its
+            # PV product (the copies brought whatever the cache holds there, and 0 * NaN is NaN)
+            cut = gl.where(ctx_len % BLOCK_N != 0, num_pre - 1, -1)
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
             m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)

@@ -317,15 +317,7 @@ def prefill_tma_attention(
         raise ValueError(f"q and kv_cache need a unit stride over the head dim, got {q.stride()} / {kv_cache.stride()}")
     k = k if _tma_ready(k) else k.contiguous()
     v = v if _tma_ready(v) else v.contiguous()
-    width = num_kv_heads * head_dim
-    block = [cfg["block_n"], head_dim]
-    k_desc = TensorDescriptor(k, [num_tokens, width], [k.stride(0), 1], block)
-    v_desc = TensorDescriptor(v, [num_tokens, width], [v.stride(0), 1], block)
     out = torch.empty_like(q)
-    if kv_cache.dtype != torch.float32:
-        precision = "ieee"
-    pdl = pdl_mode(q)
-    k_cache = kv_cache[0]
     wanted = num_heads > num_kv_heads if cfg["gluon_prefill"] is None else bool(cfg["gluon_prefill"])
     if wanted and uses_gluon_prefill(q, kv_cache, interpret):
         from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
@@ -336,6 +328,14 @@ def prefill_tma_attention(
             q_tma, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, slot_mapping, tile
         )
         return out
+    width = num_kv_heads * head_dim
+    block = [cfg["block_n"], head_dim]
+    k_desc = TensorDescriptor(k, [num_tokens, width], [k.stride(0), 1], block)
+    v_desc = TensorDescriptor(v, [num_tokens, width], [v.stride(0), 1], block)
+    if kv_cache.dtype != torch.float32:
+        precision = "ieee"
+    pdl = pdl_mode(q)
+    k_cache = kv_cache[0]
     grid = (num_tokens // cfg["block_m"] + num_seqs + 1, num_heads)
     if cfg["heads_first"]:
         grid = grid[::-1]
