@@ -1,8 +1,8 @@
-"""Causal prefill in Gluon (``kernels/prefill_gluon.py``, ``gluon_prefill``: on by default for GQA models).
+"""Causal prefill in Gluon (``kernels/prefill_gluon.py``, ``gluon_prefill``: on by default).
 
 CPU: the kernel compiled offline for sm_90 (Triton's interpreter cannot run Gluon): no spills, no
 ``wgmma`` serialized by ptxas, two programs per SM; which caches it can read; the op's routing (the
-whole batch to the Gluon launch, GQA on / MHA off by default) with a stand-in for the launch. GPU
+whole batch to the Gluon launch unless ``gluon_prefill`` is 0) with a stand-in for the launch. GPU
 (``-m gpu``, Hopper): the op's path against the torch reference, with the KV write, for fresh
 prompts, chunks after a cached prefix, decode rows, GQA and MHA, lengths off the tiles and blocks,
 cache blocks of 8-128 slots, a cache holding NaN outside the prefixes, and padding token rows.
@@ -154,16 +154,16 @@ def stand_in_gluon(monkeypatch) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize(
     ("heads", "config", "expected"),
     [
-        ((6, 2), {}, True),  # GQA: on unless set
-        ((4, 4), {}, False),  # MHA: off unless set
+        ((6, 2), {}, True),  # on unless set
+        ((4, 4), {}, True),
         ((6, 2), {"gluon_prefill": 0}, False),
         ((4, 4), {"gluon_prefill": 1}, True),
     ],
 )
-def test_gluon_prefill_defaults_to_gqa_batches(monkeypatch, heads, config, expected):
+def test_gluon_prefill_takes_whole_batches_unless_off(monkeypatch, heads, config, expected):
     """Unset, ``gluon_prefill`` sends a prefill batch (fresh prompts, a chunk after a cached prefix, a
-    decode row, padding rows) to one Gluon launch (its stand-in here) for GQA models only, and no TMA
-    kernel runs then; otherwise the TMA kernel (Triton's interpreter) computes it all."""
+    decode row, padding rows) of GQA and MHA models to one Gluon launch (its stand-in here), and no TMA
+    kernel runs then; set to 0, the TMA kernel (Triton's interpreter) computes it all."""
     gluon_launches, tma_launches = stand_in_gluon(monkeypatch)
     query_lens, context_lens = [40, 17, 1, 23], [0, 30, 12, 0]
     q, k, v, cache, md = make_case(query_lens, context_lens, *heads, 16, 8, torch.float32, pad_tokens=3, seed=2)
@@ -243,17 +243,18 @@ def test_block_sizes_with_nan_outside_the_prefixes(monkeypatch, block_size):
 
 @hopper
 @pytest.mark.gpu
-def test_on_for_gqa_by_default_off_for_mha_fp32_and_small_blocks(monkeypatch):
-    """``gluon_prefill`` unset: a GQA batch takes the Gluon kernel; an MHA batch, an fp32 batch (forced
-    onto the TMA kernel) and a cache of 4-slot blocks never do; launches counted, outputs checked."""
+def test_on_by_default_off_for_fp32_and_small_blocks(monkeypatch):
+    """``gluon_prefill`` unset: GQA and MHA batches take the Gluon kernel; an fp32 batch (forced onto the
+    TMA kernel) and a cache of 4-slot blocks never do; launches counted, outputs checked."""
     launches = count_gluon_launches(monkeypatch)
     case = make_case([100], [0], 4, 4, 128, 16, torch.bfloat16, device="cuda")
     check_attention(case, None, config={"prefill_tma": True}, fused=True)
+    assert launches == [1]
     case = make_case([100], [0], 4, 4, 64, 16, torch.float32, device="cuda")
     check_attention(case, None, config=GLUON, fused=True)
     case = make_case([100, 37], [0, 20], 12, 4, 128, 4, torch.bfloat16, device="cuda")
     check_attention(case, None, config=GLUON, fused=True)
-    assert launches == []
+    assert launches == [1]
     case = make_case([100, 37], [0, 20], 12, 4, 128, 16, torch.bfloat16, device="cuda")
     check_attention(case, None, config={"prefill_tma": True}, fused=True)
-    assert launches == [1]
+    assert launches == [1, 1]

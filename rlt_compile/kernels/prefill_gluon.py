@@ -24,8 +24,10 @@ value tiles as one box per cache block (or per ``BLOCK_N`` rows of a larger bloc
 rows' tiles -- into a ring of ``STAGES`` shared-memory stages; the warp group waits for the tiles,
 computes and frees the stages. The output tile leaves through the last key stage as 16-byte stores.
 
-Measured (``benchmarks/gluon_prefill_probe.py`` and ``prefill_tma_bench.py``, docs/benchmarks.md):
-on fresh prompts 0.88-0.93x the TMA kernel's time for Nanbeige (GQA), about even for Ouro (MHA).
+Measured (H100, session 29; ``benchmarks/prefill_tma_bench.py``, the op with the KV write,
+docs/benchmarks.md): 0.88x / 0.97x the TMA kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k
+prompts and 0.61x on its chunks after a cached prefix; 0.99-1.01x on Ouro's (MHA 16) prompts and
+0.72x on its chunks; the kernel alone 0.85-0.96x cuDNN's SDPA (``benchmarks/gluon_prefill_probe.py``).
 Gluon runs on the GPU only (Triton's interpreter cannot run it); it is tested on the device and
 compiled offline for sm_90 in the CPU suite. 16-bit only, head dims of 64-256 that are powers of
 two, a contiguous cache with blocks of at least 8 slots (``supports``).

@@ -219,11 +219,11 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     same on 8 x 1k within 2%, so it is on),
     and ``gluon_prefill``: the whole batch goes to the Gluon kernel of ``kernels/prefill_gluon.py``
     where the GPU has Hopper's ``wgmma`` (``Platform.supports_wgmma``) and the cache suits it
-    (``prefill_gluon.supports``). Unset, it is on for GQA (query heads per KV head > 1) and off for
-    MHA: in the op (session 27, H100, fresh sequences in the Gluon kernel, the rest in this one) it
-    took 0.88-0.89x / 0.90-0.93x this kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k prompts,
-    but on Ouro's (MHA 16) 1.05x / 1.00x; since session 28 the Gluon kernel reads cached prefixes too,
-    so no second launch follows it; ``gluon_persistent`` overrides its ``persistent`` (``GLUON_TILE``).
+    (``prefill_gluon.supports``); unset means on, 0 keeps this kernel. On the H100 (session 29, the
+    op with the KV write) the Gluon kernel took 0.88x / 0.97x this kernel's time on Nanbeige's (GQA
+    48/8) 8 x 1k / 1 x 8k prompts and 0.61x on its chunks after a cached prefix; on Ouro's (MHA 16)
+    1.01x / 0.99x on the prompts, 0.72x on the chunks and 0.94x on a prompt with decode rows;
+    ``gluon_persistent`` overrides its ``persistent`` (``GLUON_TILE``).
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -318,8 +318,7 @@ def prefill_tma_attention(
     k = k if _tma_ready(k) else k.contiguous()
     v = v if _tma_ready(v) else v.contiguous()
     out = torch.empty_like(q)
-    wanted = num_heads > num_kv_heads if cfg["gluon_prefill"] is None else bool(cfg["gluon_prefill"])
-    if wanted and uses_gluon_prefill(q, kv_cache, interpret):
+    if (cfg["gluon_prefill"] is None or cfg["gluon_prefill"]) and uses_gluon_prefill(q, kv_cache, interpret):
         from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
 
         q_tma = q if _tma_ready(q) else q.contiguous()
