@@ -50,21 +50,18 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending95 ]]; then
-  # session 29 (issues 3 and 4, ~6 min): the Gluon kernel serving whole prefill batches (cached prefixes through
-  # TMA boxes per cache block, padding rows; no TMA kernel after it) -- parity (GPU tests, both kernels), the op
-  # with it against the TMA kernel, pending85 where the GPU is an H200, then the kernel alone
-  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
-    > "$OUT/gpu_gluon.log" 2>&1
+if [[ $what == pending96 ]]; then
+  # session 29 (issue 3, ~4 min): the Gluon kernel's 128-row tiles, two consumer warp groups sharing each key tile --
+  # parity (GPU tests), the kernel alone against the 64-row default and SDPA, then the op
+  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py > "$OUT/gpu_gluon.log" 2>&1
   tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
-    --extra "gluon_prefill=1;gluon_prefill=1,gluon_persistent=2" --out "$OUT/prefill_gluon.md" \
-    > "$OUT/prefill_gluon.log" 2>&1
-  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_gluon.md"
-  if grep -q H200 "$OUT/gpu.txt"; then bash "$0" pending85; fi
-  timeout 100 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;64,64,3,4,persistent=2" \
-    > "$OUT/probe_gluon.md" 2>&1
-  echo "probe rc=$?"; cat "$OUT/probe_gluon.md"
+  timeout 120 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;128,128,2,4;128,128,3,4" \
+    > "$OUT/probe_two_groups.md" 2>&1
+  echo "probe rc=$?"; cat "$OUT/probe_two_groups.md"
+  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
+    --extra "gluon_block=128,gluon_stages=2;gluon_block=128,gluon_stages=3" --out "$OUT/prefill_two_groups.md" \
+    > "$OUT/prefill_two_groups.log" 2>&1
+  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_two_groups.md"
 fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs

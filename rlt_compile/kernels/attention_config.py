@@ -284,6 +284,8 @@ CONFIG_KEYS = frozenset(
         "heads_first",
         "gluon_prefill",
         "gluon_persistent",
+        "gluon_block",
+        "gluon_stages",
         "split_grain",
         "early_q",
     }

@@ -18,11 +18,12 @@ stores those own K/V rows in the cache (the first query head of each KV group). 
 (query tile, head) pairs, heads first, mapped to sequences as in the other kernels (sequence ``s``
 owns tiles ``query_start_loc[s] // BLOCK_M + s`` on, its causally heaviest tile first; the virtual
 sequence ``num_seqs`` is the padding token rows, written as zeros; no host reads). A program takes
-items ``pid, pid + programs, ...`` (one each unless ``persistent``). Two partitions
+items ``pid, pid + programs, ...`` (one each unless ``persistent``). Partitions
 (``gl.warp_specialize``): a copy warp issues every TMA copy -- the query tile, the prefix's key /
 value tiles as one box per cache block (or per ``BLOCK_N`` rows of a larger block) and the own
-rows' tiles -- into a ring of ``STAGES`` shared-memory stages; the warp group waits for the tiles,
-computes and frees the stages. The output tile leaves through the last key stage as 16-byte stores.
+rows' tiles -- into a ring of ``STAGES`` shared-memory stages; one consumer warp group per 64 query
+rows (one or two) waits for the tiles, computes and frees the stages. The output rows leave through
+the last key stage as 16-byte stores.
 
 Measured (H100, session 29; ``benchmarks/prefill_tma_bench.py``, the op with the KV write,
 docs/benchmarks.md): 0.88x / 0.97x the TMA kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k
@@ -58,13 +59,15 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # and the CTA (in a warp_specialize partition: the partition's) barrier thread_barrier; later versions barrier
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-# block_m, block_n, stages and warps: one warp group per program (plus the copy warp), two programs per SM
-# (112 KiB of shared memory each at head dim 128); every tile that left one program per SM was 20-40% slower
-# (session 25). block_m must equal block_n: the last key tile is then the query tile's own rows, which the KV
-# write and the output's staging use in place.
+# block_m, block_n, stages and warps: 64-row tiles take one consumer warp group per program (plus the copy warp),
+# two programs per SM (112 KiB of shared memory each at head dim 128); every tile that left one such program per
+# SM was 20-40% slower (session 25). 128-row tiles take two consumer warp groups of 64 query rows, which share
+# each key tile (FlashAttention-3's split; one program per SM, 160 KiB with 2 stages, 224 KiB with 3); not yet
+# timed. block_m must equal block_n: the last key tile is then the query tile's own rows, which the KV write and
+# the output's staging use in place. warps: 4 (a warp group).
 # persistent: 0 launches one program per (query tile, head); N > 0 launches N programs per SM that take the
 # work items in turn, so the copy warp fetches the next item's queries and first key tiles while the warp
-# group finishes the current one; off until measured
+# group finishes the current one; 5-21% slower in the op (session 29), so off
 GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0}
 
 
@@ -139,11 +142,15 @@ def _store_rows(rows, out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, H
     gl.store(ptrs, rows, mask=(offs_r < q_len)[:, None])
 
 
-# the barriers' slots: a query tile landed / the warp group holds it in registers, then STAGES each of
-# key tile landed, value tile landed, stage free again
+# the barriers' slots: a query tile landed / the warp groups hold it in registers, then STAGES each of
+# key tile landed, value tile landed, stage free again, then the warp groups' last reads of a key tile
+# done (before they stage their output rows in it)
 Q_BAR = gl.constexpr(0)
 Q_FREE = gl.constexpr(1)
 K_BARS = gl.constexpr(2)
+# registers a thread of each of two consumer warp groups after setmaxnreg (launched at 168: three warp groups
+# of registers in the SM's 64K, the copy warp's group then lowered to 24)
+CONSUMER_REGS = gl.constexpr(240)
 
 
 @gluon.jit
@@ -178,6 +185,7 @@ def _gluon_prefill_kernel(
     BLOCK_SIZE: gl.constexpr,
     BOX_ROWS: gl.constexpr,
     STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr,
     WARPS: gl.constexpr,
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
@@ -186,22 +194,36 @@ def _gluon_prefill_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [K_BARS + 3 * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(K_BARS + 3 * STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    bars = gl.allocate_shared_memory(gl.int64, [K_BARS + 3 * STAGES + 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(K_BARS + 3 * STAGES + 1):
+        if i == Q_FREE or i >= K_BARS + 2 * STAGES:  # the ones every warp group arrives on
+            mbarrier.init(bars.index(i), count=CONSUMERS)
+        else:
+            mbarrier.init(bars.index(i), count=1)
     descs = (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc)
     smem = (q_smem, k_smem, v_smem, bars)
     ptrs = (k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr)
     sizes = (num_seqs, num_tokens, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
              stride_bt)  # fmt: skip
     # argument tuples inline: a tuple bound to a name turns its items into tensors, which a layout cannot be
-    gl.warp_specialize(
-        [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                    WARPS, WRITE_KV, ROW_LAYOUT)),
-         (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS))],
-        [1],
-        [24],
-    )  # fmt: skip
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
+                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT)),
+             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS))],
+            [1],
+            [24],
+        )  # fmt: skip
+    else:  # two warp groups share each key tile, the query tile's upper and lower rows
+        gl.warp_specialize(
+            [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
+                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT)),
+             (_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
+                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT)),
+             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS))],
+            [WARPS, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -294,11 +316,11 @@ def _zero_rows_past(tile, first, limit, BLOCK_N: gl.constexpr, layout: gl.conste
 
 @gluon.jit
 def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WARPS: gl.constexpr,
-            WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
-    """The warp group: for each item, the key loop of its query tile (prefix tiles, then own rows'),
-    then its output rows and (the first query head of a KV group) its K/V rows in the cache; padding
-    items' rows get zeros."""
+            BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WG: gl.constexpr,
+            CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
+    """Consumer warp group ``WG`` of ``CONSUMERS``: for each item, the key loop of its rows of the query
+    tile (prefix tiles, then own rows'), then its output rows and (the first query head of a KV group)
+    its K/V rows in the cache; padding items' rows get zeros."""
     q_smem, k_smem, v_smem, bars = smem
     k_cache_ptr, v_cache_ptr, slot_ptr, _, seq_lens_ptr, query_start_ptr, out_ptr = ptrs
     num_seqs, num_tokens, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, _ = sizes
@@ -317,7 +339,9 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS  # this warp group's rows of a query tile, from ROWS * WG on
+    OUT_BAR: gl.constexpr = K_BARS + 3 * STAGES
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
     ring = 0  # key tiles consumed so far: the ring's stage and phase
@@ -326,32 +350,39 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
         kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
             query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M, 32 * WARPS, seq_layout
         )
+        r0 = m0 + WG * ROWS  # the sequence's row of this warp group's first row
         if kind == 2:
-            zeros = gl.zeros([BLOCK_M, HEAD_DIM], dtype, ROW_LAYOUT)
-            _store_rows(zeros, out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M, ROW_LAYOUT)
+            zeros = gl.zeros([ROWS, HEAD_DIM], dtype, ROW_LAYOUT)
+            _store_rows(zeros, out_ptr, q_start, r0, q_len, head, stride_ot, stride_oh, HEAD_DIM, ROWS, ROW_LAYOUT)
         if kind == 1:
             num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
             num_kv = num_pre + (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
             # the prefix's last tile, where it is partial: its value rows past the prefix are zeroed before its
             # PV product (the copies brought whatever the cache holds there, and 0 * NaN is NaN)
             cut = gl.where(ctx_len % BLOCK_N != 0, num_pre - 1, -1)
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-            m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+            offs_m = r0 + gl.arange(0, ROWS, layout=row_s)
+            m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
-            # the queries as the score product's register operand (half its shared-memory reads); their
-            # buffer then takes the next item's
+            # one warp group: the queries as the score product's register operand (half its shared-memory
+            # reads), their buffer then free for the next item's; two: read from shared memory (the registers
+            # go to the 64 x 128 score tile), the buffer free once the item's last score product is done
             mbarrier.wait(bars.index(Q_BAR), served & 1)
-            q_op = q_smem.load(q_layout)
-            _barrier()  # every warp's reads done before the one thread's arrive
-            mbarrier.arrive(bars.index(Q_FREE), count=1)
+            if CONSUMERS == 1:
+                q_op = q_smem.load(q_layout)
+                _barrier()  # every warp's reads done before the one thread's arrive
+                mbarrier.arrive(bars.index(Q_FREE), count=1)
+            else:
+                q_op = q_smem.slice(WG * ROWS, ROWS)
 
             stage = ring % STAGES
             mbarrier.wait(bars.index(K_BARS + stage), (ring // STAGES) & 1)
             s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, m0, scale_log2, BLOCK_N, col_s)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
+            # the weights cross iterations as the PV product's 16-bit operand (half the registers of fp32)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_kv):
                 prev = stage
                 stage = (ring + j) % STAGES
@@ -361,34 +392,38 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
                 mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
                 s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, m0, scale_log2, BLOCK_N,
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
                                               col_s)  # fmt: skip
                 # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
-            # the last key tile is the query tile's own rows (block_m == block_n), still in its stage:
-            # the KV write reads them there, then the output tile goes through the K buffer to 16-byte stores
-            k_last = k_smem.index(stage)
+            if CONSUMERS > 1:  # the other warp group's score product may still read the rows staged below
+                mbarrier.arrive(bars.index(Q_FREE), count=1)
+                mbarrier.arrive(bars.index(OUT_BAR), count=1)
+                mbarrier.wait(bars.index(OUT_BAR), served & 1)
+
+            # the last key tile is the query tile's own rows (block_m == block_n), still in its stage: the
+            # KV write reads this warp group's rows there, then its output rows go through them to 16-byte stores
+            k_rows = k_smem.index(stage).slice(WG * ROWS, ROWS)
             if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
                 if head % GROUP == 0:
                     kv_head = head // GROUP
-                    _store_kv(k_last.load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, m0, q_len, kv_head, stride_cb,
-                              stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-                    _store_kv(v_smem.index(stage).load(ROW_LAYOUT), v_cache_ptr, slot_ptr, q_start, m0, q_len,
-                              kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_M, BLOCK_SIZE,
+                    _store_kv(k_rows.load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, r0, q_len, kv_head, stride_cb,
+                              stride_cs, stride_ch, HEAD_DIM, ROWS, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+                    _store_kv(v_smem.index(stage).slice(WG * ROWS, ROWS).load(ROW_LAYOUT), v_cache_ptr, slot_ptr,
+                              q_start, r0, q_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, ROWS, BLOCK_SIZE,
                               ROW_LAYOUT)  # fmt: skip
-            k_last.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype))
-            _store_rows(k_last.load(ROW_LAYOUT), out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, HEAD_DIM,
-                        BLOCK_M, ROW_LAYOUT)  # fmt: skip
+            k_rows.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype))
+            _store_rows(k_rows.load(ROW_LAYOUT), out_ptr, q_start, r0, q_len, head, stride_ot, stride_oh, HEAD_DIM,
+                        ROWS, ROW_LAYOUT)  # fmt: skip
             # the stage's last generic reads and writes ordered before the copy warp's next TMA copy into it
             fence_async_shared()
             _barrier()
@@ -396,8 +431,9 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
             ring += num_kv
             served += 1
     # every copy the copy warp issued has been waited for
-    for i in gl.static_range(K_BARS + 3 * STAGES):
-        mbarrier.invalidate(bars.index(i))
+    if WG == 0:
+        for i in gl.static_range(K_BARS + 3 * STAGES + 1):
+            mbarrier.invalidate(bars.index(i))
 
 
 def _row_layout(head_dim: int, warps: int):
@@ -430,6 +466,10 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     block_m, block_n, warps = tile["block_m"], tile["block_n"], tile["warps"]
     if block_m != block_n:
         raise ValueError(f"Gluon prefill tiles: block_m must equal block_n, got {tile}")
+    if block_m not in (64, 128) or warps != 4:
+        raise ValueError(
+            f"Gluon prefill tiles: block_m 64 or 128 (one or two warp groups of 64 rows), 4 warps, got {tile}"
+        )
     if not supports(kv_cache):
         raise ValueError(f"Gluon prefill needs contiguous cache halves and blocks of 8+ slots, got {kv_cache.shape}")
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
@@ -463,13 +503,15 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
         BLOCK_SIZE=block_size,
         BOX_ROWS=box_rows,
         STAGES=tile["stages"],
+        CONSUMERS=block_m // 64,
         WARPS=warps,
         WRITE_KV=slot_mapping is not None,
         ROW_LAYOUT=_row_layout(head_dim, warps),
         num_warps=warps,
-        # the warp group and the copy warp take two warp groups of registers: 128 a thread at launch keeps
-        # two programs per SM; setmaxnreg then moves them to the warp group (232) from the copy warp's (24)
-        maxnreg=128,
+        # one warp group and the copy warp take two warp groups of registers: 128 a thread at launch keeps two
+        # programs per SM; setmaxnreg then moves them to the warp group (232) from the copy warp's (24); two warp
+        # groups and the copy warp take three at 168, then 240 each and 24
+        maxnreg=128 if block_m == 64 else 168,
     )
     programs = num_items
     if tile["persistent"]:
