@@ -40,7 +40,7 @@ KERNELS = {
     "_silu_gate_kernel",
 }
 # Launched without PDL: the Gluon prefill kernel (an ordinary launch waits for the kernel before it, and
-# the TMA prefill kernel after it waits for it in its own prologue)
+# the kernels after it wait for it in their own prologues)
 NO_PDL = {"_gluon_prefill_kernel"}
 # Kernels allowed to read some inputs before the prologue: inputs no kernel of the step's chain writes
 # (the decode GEMV's and the norms' weights, the decode attention's metadata), so reading them early
@@ -317,7 +317,10 @@ def _launches(pdl: int = 0, workloads=aot.WORKLOADS[:1], dtypes=(torch.float16,)
     return aot.capture_launches(Platform.mock("cuda"), workloads, dtypes, pdl=pdl)
 
 
-def test_launchers_pass_use_pdl_and_launch_pdl_at_every_launch_site():
+def test_launchers_pass_use_pdl_and_launch_pdl_at_every_launch_site(monkeypatch):
+    """Every launch site passes the PDL mode (prefill on the TMA kernel: ``gluon_prefill=0``); the
+    Gluon prefill, which serves prefill by default on the mock H200, launches without PDL."""
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "gluon_prefill=0")
     for pdl in (2, 1, 0):
         launches = _launches(pdl)
         assert {launch.kernel.rsplit(".", 1)[-1] for launch in launches} == KERNELS
@@ -325,6 +328,13 @@ def test_launchers_pass_use_pdl_and_launch_pdl_at_every_launch_site():
             assert launch.kwargs["USE_PDL"] == pdl, launch.kernel
             # launch_pdl=True when on; absent when off (ROCm's Triton rejects the unknown keyword)
             assert launch.kwargs.get("launch_pdl", "absent") == (True if pdl else "absent"), launch.kernel
+    monkeypatch.delenv("RLT_ATTENTION_CONFIG")
+    launches = _launches(2)
+    names = {launch.kernel.rsplit(".", 1)[-1] for launch in launches}
+    assert names == KERNELS - {"_prefill_tma_kernel"} | NO_PDL
+    for launch in launches:
+        pdl = launch.kernel.rsplit(".", 1)[-1] not in NO_PDL
+        assert ("USE_PDL" in launch.kwargs, "launch_pdl" in launch.kwargs) == (pdl, pdl), launch.kernel
 
 
 def test_meta_and_cpu_tensors_never_use_pdl(monkeypatch, triton_pdl):
@@ -336,7 +346,7 @@ def test_meta_and_cpu_tensors_never_use_pdl(monkeypatch, triton_pdl):
     assert not triton_attention.pdl_mode(torch.empty(1, device="meta"))
     assert not triton_attention.pdl_mode(torch.empty(1))
     for launch in _launches():
-        assert launch.kwargs["USE_PDL"] == 0 and "launch_pdl" not in launch.kwargs, launch.kernel
+        assert launch.kwargs.get("USE_PDL", 0) == 0 and "launch_pdl" not in launch.kwargs, launch.kernel
 
 
 def test_use_pdl_follows_pdl_enabled_for_cuda_tensors(monkeypatch):
@@ -379,13 +389,15 @@ def _compile_sm90(spec: aot.Specialisation):
 
 
 @pytest.mark.parametrize("mode", [1, 2])
-def test_sm90_ptx_waits_before_any_memory_access_or_branch(mode):
+def test_sm90_ptx_waits_before_any_memory_access_or_branch(monkeypatch, mode):
     """Each kernel compiled for sm_90 with PDL on (ahead of time, on the CPU): ``launch_pdl`` in its
     metadata, ``griddepcontrol.wait`` then ``launch_dependents`` (mode 2, the early trigger:
     ``launch_dependents`` first) before the first global load, store, branch or return (stores only,
-    for the ``EARLY_READS`` kernels); with PDL off no griddepcontrol at all."""
+    for the ``EARLY_READS`` kernels); with PDL off no griddepcontrol at all. Prefill on the TMA kernel
+    (``gluon_prefill=0``), whose launch site has the PDL mode."""
     if not platform.triton_supports_pdl():
         pytest.skip("this Triton has no PDL")
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "gluon_prefill=0")
     h200 = Platform.mock("cuda")
     target = aot.gpu_target("cuda", "sm_90")
     launches = aot.capture_launches(h200, aot.WORKLOADS[:1], (torch.float16,), ("prefill", "decode-split"), pdl=mode)
