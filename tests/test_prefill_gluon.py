@@ -88,28 +88,23 @@ def test_two_consumer_warp_groups_compile_for_sm90(stages):
         assert {24, 240} <= {int(r, 16) for r in regs}, regs
 
 
-@pytest.mark.parametrize("tile", [{"block_m": 96, "block_n": 96}, {"warps": 8}])
-def test_tiles_are_one_or_two_warp_groups(tile):
+@pytest.mark.parametrize(
+    ("tile", "message"),
+    [
+        ({"block_m": 128}, "block_m must equal block_n"),  # the KV write and the output use the last key tile
+        ({"block_m": 96, "block_n": 96}, "one or two warp groups"),
+        ({"warps": 8}, "one or two warp groups"),
+    ],
+)
+def test_tiles_are_square_and_one_or_two_warp_groups(tile, message):
     meta = torch.device("meta")
     q = torch.empty(64, 4, 64, dtype=torch.bfloat16, device=meta)
     k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device=meta)
     cache = torch.empty(2, 8, 16, 2, 64, dtype=torch.bfloat16, device=meta)
     lens = torch.empty(1, dtype=torch.int32, device=meta)
     tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
-    with pytest.raises(ValueError, match="one or two warp groups"):
+    with pytest.raises(ValueError, match=message):
         prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile=tile)
-
-
-def test_tiles_must_be_square():
-    """The KV write and the output's staging use the last key tile in place: block_m must equal block_n."""
-    meta = torch.device("meta")
-    q = torch.empty(64, 4, 64, dtype=torch.bfloat16, device=meta)
-    k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device=meta)
-    cache = torch.empty(2, 8, 16, 2, 64, dtype=torch.bfloat16, device=meta)
-    lens = torch.empty(1, dtype=torch.int32, device=meta)
-    tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
-    with pytest.raises(ValueError, match="block_m must equal block_n"):
-        prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile={"block_m": 128})
 
 
 @pytest.mark.parametrize(("persistent", "sms", "programs"), [(0, 132, 12), (2, 132, 12), (2, 3, 6), (1, 1, 1)])
