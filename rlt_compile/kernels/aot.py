@@ -325,7 +325,12 @@ def _run_launchers(workload: Workload, dtype: torch.dtype, mode: str, precision:
         q, kv_cache, *metadata, precision=precision, split_k=split_k, config={"decode": False}
     )
     if mode == "prefill" and prefill_tma_serves(w, dtype):
-        prefill_tma.prefill_tma_attention(q, k, v, kv_cache, *metadata, precision=precision, slot_mapping=slot_mapping)
+        # the default (the Gluon kernel where the target has wgmma), then the TMA kernel: that GPU's fallback
+        # for caches the Gluon kernel cannot read, and every prefill on targets without wgmma
+        for config in (None, {"gluon_prefill": 0}):
+            prefill_tma.prefill_tma_attention(
+                q, k, v, kv_cache, *metadata, precision=precision, config=config, slot_mapping=slot_mapping
+            )
     if mode != "prefill":  # what rlt::attention_triton runs for all-decode batches: the decode kernel, KV write fused
         triton_attention.attention_forward(
             q, k, v, kv_cache, slot_mapping, *metadata, precision=precision, split_k=split_k
