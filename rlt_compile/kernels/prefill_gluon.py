@@ -194,8 +194,9 @@ def _gluon_prefill_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [K_BARS + 3 * STAGES + 1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(K_BARS + 3 * STAGES + 1):
+    NUM_BARS: gl.constexpr = K_BARS + 3 * STAGES + CONSUMERS - 1  # OUT_BAR with two warp groups
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BARS):
         if i == Q_FREE or i >= K_BARS + 2 * STAGES:  # the ones every warp group arrives on
             mbarrier.init(bars.index(i), count=CONSUMERS)
         else:
@@ -381,8 +382,8 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
             s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
-            # the weights cross iterations as the PV product's 16-bit operand (half the registers of fp32)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_kv):
                 prev = stage
                 stage = (ring + j) % STAGES
@@ -392,6 +393,8 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
                 mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
                 s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                if CONSUMERS == 1:
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
@@ -400,8 +403,11 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                if CONSUMERS > 1:
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
+            if CONSUMERS == 1:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
@@ -432,7 +438,7 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
             served += 1
     # every copy the copy warp issued has been waited for
     if WG == 0:
-        for i in gl.static_range(K_BARS + 3 * STAGES + 1):
+        for i in gl.static_range(K_BARS + 3 * STAGES + CONSUMERS - 1):
             mbarrier.invalidate(bars.index(i))
 
 
