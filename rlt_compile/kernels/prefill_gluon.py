@@ -63,7 +63,7 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # two programs per SM (112 KiB of shared memory each at head dim 128); every tile that left one such program per
 # SM was 20-40% slower (session 25). 128-row tiles take two consumer warp groups of 64 query rows, which share
 # each key tile (FlashAttention-3's split; one program per SM, 160 KiB with 2 stages, 224 KiB with 3); not yet
-# timed. block_m must equal block_n: the last key tile is then the query tile's own rows, which the KV write and
+# run on a GPU (pending96). block_m must equal block_n: the last key tile is then the query tile's own rows, which the KV write and
 # the output's staging use in place. warps: 4 (a warp group).
 # persistent: 0 launches one program per (query tile, head); N > 0 launches N programs per SM that take the
 # work items in turn, so the copy warp fetches the next item's queries and first key tiles while the warp
