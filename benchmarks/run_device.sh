@@ -5,7 +5,7 @@
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pendingN: what was written but not yet run or timed on a GPU, newest first in the next session's plan
-#   (docs/benchmarks.md). Blocks already run, or replaced by a later one, are removed (sessions 24-27); the records
+#   (docs/benchmarks.md). Blocks already run, or replaced by a later one, are removed (sessions 24-29); the records
 #   in docs/benchmarks.md name their block, and `git log -S pendingN -- benchmarks/run_device.sh` finds it.
 set -uo pipefail
 what=${1:-all}; shift || true

@@ -145,3 +145,32 @@ def test_cuda_compiled_prompt_logprobs_and_penalties_match_eager(tiny_dirs):
         assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
         for eg, ew in zip(g.prompt_logprobs or [], w.prompt_logprobs or []):
             assert (eg is None and ew is None) or eg == pytest.approx(ew, abs=1e-3)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a Hopper GPU (the Gluon prefill kernel; run with -m gpu on the device)",
+)
+def test_cuda_compiled_prefill_graphs_with_the_gluon_kernel(monkeypatch):
+    """A real head dim (128, which the tiny models lack): the compiled engine's prefill steps and
+    chunks, replayed from prefill graphs, take the Gluon prefill kernel and give the tokens of the same
+    engine on the TMA kernel (``gluon_prefill=0``), by agreement (bf16)."""
+    from conftest import tiny_model
+
+    from rlt_compile.kernels import prefill_gluon
+
+    launches = []
+    launch = prefill_gluon.launch_gluon_prefill
+    monkeypatch.setattr(prefill_gluon, "launch_gluon_prefill", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    model = tiny_model("nanbeige", seed=3, head_dim=128).to(device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4, 256) for _ in range(rng.randrange(40, 200))] for _ in range(8)]
+    kw = dict(num_blocks=256, compile=True, use_cuda_graphs=True, max_num_seqs=8, max_num_batched_tokens=256,
+              cuda_graph_prefill_tokens=[64, 128, 256])  # fmt: skip
+    engine = LLMEngine(model, **kw)
+    gluon = _run(engine, prompts)
+    assert launches and engine.runner.prefill_graph_runner.replays > 0
+    monkeypatch.setenv("RLT_ATTENTION_CONFIG", "gluon_prefill=0")
+    tma = _run(LLMEngine(model, **kw), prompts)
+    first, whole = _agreement(gluon, tma)
+    assert first >= 0.9 and whole >= 0.75, (first, whole)
