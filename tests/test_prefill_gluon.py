@@ -88,6 +88,19 @@ def test_two_consumer_warp_groups_compile_for_sm90(stages):
         assert {24, 240} <= {int(r, 16) for r in regs}, regs
 
 
+def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None):
+    """``gluon_prefill_launch`` for one sequence of ``tokens`` on meta tensors (head dim 64; by default a
+    cache of 8 blocks of 16 slots)."""
+    meta = torch.device("meta")
+    q = torch.empty(tokens, heads, 64, dtype=torch.bfloat16, device=meta)
+    k = torch.empty(tokens, kv_heads, 64, dtype=torch.bfloat16, device=meta)
+    if cache is None:
+        cache = torch.empty(2, 8, 16, kv_heads, 64, dtype=torch.bfloat16, device=meta)
+    lens = torch.empty(1, dtype=torch.int32, device=meta)
+    tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
+    return prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile=tile)
+
+
 @pytest.mark.parametrize(
     ("tile", "message"),
     [
@@ -97,14 +110,8 @@ def test_two_consumer_warp_groups_compile_for_sm90(stages):
     ],
 )
 def test_tiles_are_square_and_one_or_two_warp_groups(tile, message):
-    meta = torch.device("meta")
-    q = torch.empty(64, 4, 64, dtype=torch.bfloat16, device=meta)
-    k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device=meta)
-    cache = torch.empty(2, 8, 16, 2, 64, dtype=torch.bfloat16, device=meta)
-    lens = torch.empty(1, dtype=torch.int32, device=meta)
-    tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
     with pytest.raises(ValueError, match=message):
-        prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile=tile)
+        meta_launch(64, 4, 2, tile=tile)
 
 
 @pytest.mark.parametrize(("persistent", "sms", "programs"), [(0, 132, 12), (2, 132, 12), (2, 3, 6), (1, 1, 1)])
@@ -112,14 +119,7 @@ def test_persistent_grid(monkeypatch, persistent, sms, programs):
     """One program per work item ((query tile slots + sequences + the padding rows') x heads), or
     ``persistent`` programs per SM when that is fewer."""
     monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
-    meta = torch.device("meta")
-    q = torch.empty(64 * 4, 2, 64, dtype=torch.bfloat16, device=meta)
-    k = torch.empty(64 * 4, 1, 64, dtype=torch.bfloat16, device=meta)
-    cache = torch.empty(2, 8, 16, 1, 64, dtype=torch.bfloat16, device=meta)
-    lens = torch.empty(1, dtype=torch.int32, device=meta)
-    tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
-    tile = {"persistent": persistent}
-    _, grid, _, _ = prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile=tile)
+    _, grid, _, _ = meta_launch(64 * 4, 2, 1, tile={"persistent": persistent})
     assert grid == (programs,)
 
 
@@ -145,12 +145,8 @@ def test_supports(shape, layout, expected):
         cache = torch.empty(shape[1], 2, *shape[2:], dtype=torch.bfloat16, device="meta").transpose(0, 1)
     assert prefill_gluon.supports(cache) is expected
     if not expected:
-        q = torch.empty(64, 4, 64, dtype=torch.bfloat16, device="meta")
-        k = torch.empty(64, 2, 64, dtype=torch.bfloat16, device="meta")
-        lens = torch.empty(1, dtype=torch.int32, device="meta")
-        tables = torch.empty(1, 4, dtype=torch.int32, device="meta")
         with pytest.raises(ValueError, match="contiguous cache halves"):
-            prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1)
+            meta_launch(64, 4, 2, cache=cache)
 
 
 def stand_in_gluon(monkeypatch) -> tuple[list[int], list[int]]:

@@ -63,8 +63,8 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # two programs per SM (112 KiB of shared memory each at head dim 128); every tile that left one such program per
 # SM was 20-40% slower (session 25). 128-row tiles take two consumer warp groups of 64 query rows, which share
 # each key tile (FlashAttention-3's split; one program per SM, 160 KiB with 2 stages, 224 KiB with 3); not yet
-# run on a GPU (pending96). block_m must equal block_n: the last key tile is then the query tile's own rows, which the KV write and
-# the output's staging use in place. warps: 4 (a warp group).
+# run on a GPU (pending96). block_m must equal block_n: the last key tile is then the query tile's own rows,
+# which the KV write and the output's staging use in place. warps: 4 (a warp group).
 # persistent: 0 launches one program per (query tile, head); N > 0 launches N programs per SM that take the
 # work items in turn, so the copy warp fetches the next item's queries and first key tiles while the warp
 # group finishes the current one; 5-21% slower in the op (session 29), so off
@@ -142,9 +142,9 @@ def _store_rows(rows, out_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, H
     gl.store(ptrs, rows, mask=(offs_r < q_len)[:, None])
 
 
-# the barriers' slots: a query tile landed / the warp groups hold it in registers, then STAGES each of
-# key tile landed, value tile landed, stage free again, then the warp groups' last reads of a key tile
-# done (before they stage their output rows in it)
+# the barriers' slots: a query tile landed / its buffer free again, then STAGES each of key tile landed,
+# value tile landed, stage free again, then (two warp groups) both groups' last reads of a key tile done,
+# before either stages its output rows in it
 Q_BAR = gl.constexpr(0)
 Q_FREE = gl.constexpr(1)
 K_BARS = gl.constexpr(2)
@@ -448,7 +448,7 @@ def _row_layout(head_dim: int, warps: int):
     return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [warps, 1], [1, 0])
 
 
-def supports(kv_cache: torch.Tensor, tile: dict | None = None) -> bool:
+def supports(kv_cache: torch.Tensor) -> bool:
     """Whether the kernel can read the prefix of ``kv_cache`` ``[2, blocks, block_size, Hkv, D]``: each
     half contiguous (one TMA descriptor over ``[blocks * block_size, Hkv * D]``) and blocks of at least
     8 slots, a power of two (a box of a block's rows starts on the shared-memory swizzle's 8-row period)."""
