@@ -11,6 +11,9 @@ kernel, and this times both). Medians of CUDA-graph replays with the L2 flushed 
     python benchmarks/prefill_tma_bench.py --smoke           # CPU interpreter: parity of every case, tiny shapes
     python benchmarks/prefill_tma_bench.py --extra "fold_scale=1;rescale_slack=8" --default-tile-only
         # launcher configs on the default tile (one per ';'), against it and the unified op
+    python benchmarks/prefill_tma_bench.py --mixes "128,31,2048;1024,31,2048" --default-tile-only
+        # only mixes of one prompt and decode rows (prompt, decode rows, context; one per ';'):
+        # where ``MIN_AVERAGE_QUERY`` should send a mixed batch
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--extra", default="", help="launcher configs on the default tile, 'key=int,key=int;key=int'")
     parser.add_argument("--default-tile-only", action="store_true", help="no other tiles (--extra still adds)")
+    parser.add_argument("--mixes", default="", help="only these mixes, 'prompt,decodes,context;...'")
     args = parser.parse_args(argv)
     from rlt_compile import envs
 
@@ -146,6 +150,9 @@ def main(argv=None) -> int:
 
         device, dtype = torch.device("cuda"), torch.bfloat16
         models, fresh, chunk, mix, tiles = MODELS, [(8, 1024), (1, 8192)], (2, 2560, 512), (512, 31, 2048), TILES
+    mixes = [tuple(int(n) for n in item.split(",")) for item in filter(None, args.mixes.split(";"))]
+    if mixes:
+        fresh, chunk = [], None
     tiles = tiles[:1] + [(*tiles[0][:5], extra) for extra in extras] + ([] if args.default_tile_only else tiles[1:])
     lines = [
         "| model | case | TMA tile | op us | unified op us | vs unified | SDPA us | vs SDPA | gather + SDPA us "
@@ -156,13 +163,17 @@ def main(argv=None) -> int:
         for batch, ctx in fresh:
             inputs, dense = paged_inputs(*dims, dtype, device, batch, ctx, ctx)
             lines += run_case(name, dims, f"fresh {batch} x {ctx}", inputs, dense, tiles, args.smoke, ctx)
-        batch, ctx, q_len = chunk
-        inputs, _ = paged_inputs(*dims, dtype, device, batch, ctx, q_len)
-        lines += run_case(name, dims, f"{batch} chunks of {q_len} after {ctx - q_len}", inputs, None, tiles, args.smoke)
-        prompt, decodes, ctx = mix
-        inputs = mixed_inputs(*dims, dtype, device, prompt, decodes, ctx)
-        label = f"{prompt}-token prompt + {decodes} decodes at {ctx}"
-        lines += run_case(name, dims, label, inputs, None, tiles[: 1 + len(extras)], args.smoke)
+        if chunk is not None:
+            batch, ctx, q_len = chunk
+            inputs, _ = paged_inputs(*dims, dtype, device, batch, ctx, q_len)
+            label = f"{batch} chunks of {q_len} after {ctx - q_len}"
+            lines += run_case(name, dims, label, inputs, None, tiles, args.smoke)
+        for prompt, decodes, ctx in mixes or [mix]:
+            inputs = mixed_inputs(*dims, dtype, device, prompt, decodes, ctx)
+            label = (
+                f"{prompt}-token prompt + {decodes} decodes at {ctx} (average {(prompt + decodes) / (decodes + 1):.0f})"
+            )
+            lines += run_case(name, dims, label, inputs, None, tiles[: 1 + len(extras)], args.smoke)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
