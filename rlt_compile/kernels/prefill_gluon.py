@@ -436,8 +436,9 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
             mbarrier.arrive(bars.index(FREE + stage), count=1)
             ring += num_kv
             served += 1
-    # every copy the copy warp issued has been waited for
-    if WG == 0:
+    # every copy the copy warp issued has been waited for; with two warp groups the other may still arrive on a
+    # stage's barrier after this one's last item, so the barriers stay as they are (the kernel ends with them)
+    if CONSUMERS == 1:
         for i in gl.static_range(K_BARS + 3 * STAGES + CONSUMERS - 1):
             mbarrier.invalidate(bars.index(i))
 
