@@ -64,12 +64,18 @@ if [[ $what == pending96 ]]; then
   echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_two_groups.md"
 fi
 if [[ $what == pending97 ]]; then
-  # session 30 (issue 3, ~2 min): mixes of one prompt and decode rows, the prefill op (Gluon, then the TMA kernel)
-  # against the unified kernel -- where MIN_AVERAGE_QUERY should send a mixed batch, for MHA and for GQA
+  # session 30 (issue 3, ~4 min): mixes of one prompt and decode rows, the prefill op (Gluon, then the TMA kernel)
+  # against the unified kernel -- where MIN_AVERAGE_QUERY should send a mixed batch, for MHA and for GQA; then
+  # the Gluon kernel's persistent programs with the snake order
   timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_prefill=0" \
     --mixes "512,31,2048;256,31,2048;128,31,2048;64,63,2048;1024,31,2048;2048,31,8192" --out "$OUT/mixes.md" \
     > "$OUT/mixes.log" 2>&1
   echo "mixes rc=$?"; cut -d'|' -f2-7,13 "$OUT/mixes.md"
+  # persistent programs in stride and snake order (the GPU tests of pending96 check the snake order's parity)
+  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
+    --extra "gluon_persistent=2;gluon_persistent=2,gluon_snake=1;gluon_persistent=1,gluon_snake=1" \
+    --out "$OUT/snake.md" > "$OUT/snake.log" 2>&1
+  echo "snake rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/snake.md"
 fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs

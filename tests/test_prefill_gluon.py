@@ -123,6 +123,19 @@ def test_persistent_grid(monkeypatch, persistent, sms, programs):
     assert grid == (programs,)
 
 
+@pytest.mark.parametrize(
+    ("persistent", "sms", "loop_items", "snake"), [(0, 3, 12, False), (2, 3, 12, True), (1, 5, 15, True)]
+)
+def test_snake_order_runs_whole_rounds(monkeypatch, persistent, sms, loop_items, snake):
+    """With ``snake`` the persistent programs' loop runs whole rounds (12 items: 2 rounds of 6 programs,
+    3 of 5), where a reversed round's item can lie past a program's own last index; one program per
+    item has no rounds to reverse."""
+    monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
+    _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile={"persistent": persistent, "snake": 1})
+    assert args[16] == loop_items
+    assert kwargs.get("SNAKE", False) is snake
+
+
 SENTINEL = 7.0  # the output rows the Gluon launch's stand-in writes
 
 
@@ -218,15 +231,18 @@ def count_gluon_launches(monkeypatch) -> list[int]:
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    ("persistent", "sms", "block"), [(0, None, 64), (2, None, 64), (3, 1, 64), (0, None, 128), (3, 1, 128)]
-)
+    ("persistent", "sms", "block", "snake"),
+    [(0, None, 64, 0), (2, None, 64, 0), (3, 1, 64, 0), (2, None, 64, 1), (3, 1, 64, 1), (0, None, 128, 0),
+     (3, 1, 128, 0), (3, 1, 128, 1)],
+)  # fmt: skip
 def test_gluon_prefill_matches_reference(
-    monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms, block
+    monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms, block, snake
 ):  # fmt: skip
     """One program per work item, ``persistent`` programs per SM, and three programs in all (``sms`` 1),
-    each then serving dozens of items through the same ring of stages and query buffer; 64-row tiles
-    (one consumer warp group) and 128-row tiles (two)."""
+    each then serving dozens of items through the same ring of stages and query buffer, in stride or
+    snake order; 64-row tiles (one consumer warp group) and 128-row tiles (two)."""
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "snake", snake)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_m", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_n", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "stages", 3 if block == 64 else 2)

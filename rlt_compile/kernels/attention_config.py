@@ -284,6 +284,7 @@ CONFIG_KEYS = frozenset(
         "heads_first",
         "gluon_prefill",
         "gluon_persistent",
+        "gluon_snake",
         "gluon_block",
         "gluon_stages",
         "split_grain",

@@ -67,8 +67,10 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # which the KV write and the output's staging use in place. warps: 4 (a warp group).
 # persistent: 0 launches one program per (query tile, head); N > 0 launches N programs per SM that take the
 # work items in turn, so the copy warp fetches the next item's queries and first key tiles while the warp
-# group finishes the current one; 5-21% slower in the op (session 29), so off
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0}
+# group finishes the current one; 5-21% slower in the op (session 29), so off. Program p took items p, p +
+# programs, ...: with the items heaviest first, the low programs took the heaviest of every round (on Ouro's
+# 1 x 8k prompt, ~25% more key tiles than the high ones). snake: 1 reverses every other round (not yet run).
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0, "snake": 0}
 
 
 @gluon.jit
@@ -97,6 +99,18 @@ def _find_item(query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tok
     rank = pid - (q_start // BLOCK_M + seq)
     kind = gl.where(rank < num_tiles, gl.where(real, 1, 2), 0)
     return kind, head, seq, q_start, q_len, ctx_len, (num_tiles - 1 - rank) * BLOCK_M
+
+
+@gluon.jit
+def _snake(i, SNAKE: gl.constexpr):
+    """The work item of a program's loop index ``i`` (``pid``, ``pid + programs``, ...): ``i`` itself, or
+    with ``SNAKE`` (persistent programs) every other round reversed, so that the program taking a round's
+    heaviest item takes the next round's lightest (the items come heaviest first within each sequence)."""
+    if SNAKE:
+        programs = gl.num_programs(0)
+        turn = i // programs
+        i = gl.where(turn % 2 == 1, turn * programs + programs - 1 - gl.program_id(0), i)
+    return i
 
 
 @gluon.jit
@@ -189,6 +203,7 @@ def _gluon_prefill_kernel(
     WARPS: gl.constexpr,
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
+    SNAKE: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.block_type.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -210,18 +225,18 @@ def _gluon_prefill_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT)),
-             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS))],
+                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE)),
+             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS, SNAKE))],
             [1],
             [24],
         )  # fmt: skip
     else:  # two warp groups share each key tile, the query tile's upper and lower rows
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT)),
+                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE)),
              (_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT)),
-             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS))],
+                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE)),
+             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS, SNAKE))],
             [WARPS, 1],
             [CONSUMER_REGS, 24],
         )  # fmt: skip
@@ -262,7 +277,7 @@ def _load_prefix(k_desc, v_desc, k_smem, v_smem, bars, stage, table, start, ctx_
 
 @gluon.jit
 def _copy_warp(descs, smem, ptrs, sizes, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr):  # fmt: skip
+               BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, SNAKE: gl.constexpr):  # fmt: skip
     """The copy warp: each item's query tile once the warp group holds the previous one in registers,
     then its prefix's and its own rows' key/value tiles into the ring as the warp group frees stages."""
     q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc = descs
@@ -273,9 +288,9 @@ def _copy_warp(descs, smem, ptrs, sizes, GROUP: gl.constexpr, HEAD_DIM: gl.const
     FREE: gl.constexpr = K_BARS + 2 * STAGES
     ring = 0  # key tiles copied so far: the ring's stage and phase
     served = 0  # items attended so far: the query barriers' phase
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+    for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
         kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
-            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M, 32,
+            query_start_ptr, seq_lens_ptr, _snake(i, SNAKE), num_heads, num_seqs, num_tokens, BLOCK_M, 32,
             gl.BlockedLayout([1], [32], [1], [0]),
         )  # fmt: skip
         if kind == 1:
@@ -318,7 +333,8 @@ def _zero_rows_past(tile, first, limit, BLOCK_N: gl.constexpr, layout: gl.conste
 @gluon.jit
 def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WG: gl.constexpr,
-            CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
+            CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr,
+            SNAKE: gl.constexpr):  # fmt: skip
     """Consumer warp group ``WG`` of ``CONSUMERS``: for each item, the key loop of its rows of the query
     tile (prefix tiles, then own rows'), then its output rows and (the first query head of a KV group)
     its K/V rows in the cache; padding items' rows get zeros."""
@@ -347,9 +363,17 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
 
     ring = 0  # key tiles consumed so far: the ring's stage and phase
     served = 0  # items attended so far: the query barrier's phase
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+    for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
         kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
-            query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M, 32 * WARPS, seq_layout
+            query_start_ptr,
+            seq_lens_ptr,
+            _snake(i, SNAKE),
+            num_heads,
+            num_seqs,
+            num_tokens,
+            BLOCK_M,
+            32 * WARPS,
+            seq_layout,
         )
         r0 = m0 + WG * ROWS  # the sequence's row of this warp group's first row
         if kind == 2:
@@ -495,11 +519,18 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     k_cache = kv_cache[0]
     num_seqs = seq_lens.shape[0]
     num_items = num_heads * (num_tokens // block_m + num_seqs + 1)
+    programs = num_items
+    if tile["persistent"]:
+        programs = min(num_items, tile["persistent"] * sm_count(q.device))
+    snake = bool(tile["snake"]) and programs < num_items
+    # the loop's bound: with snake order, whole rounds (a program's reversed item can lie past its own loop's
+    # last index; indices past the items find nothing to do)
+    loop_items = -(-num_items // programs) * programs if snake else num_items
     args = (
         q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, k_cache, kv_cache[1],
         slot_mapping if slot_mapping is not None else query_start_loc,  # unused without the write
         block_tables, seq_lens, query_start_loc, out, float(scale) * LOG2E, num_seqs, num_tokens, num_heads,
-        num_items, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        loop_items, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
     )  # fmt: skip
     kwargs = dict(
@@ -520,9 +551,8 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
         # groups and the copy warp take three at 168, then 240 each and 24
         maxnreg=128 if block_m == 64 else 168,
     )
-    programs = num_items
-    if tile["persistent"]:
-        programs = min(num_items, tile["persistent"] * sm_count(q.device))
+    if snake:
+        kwargs["SNAKE"] = True
     return _gluon_prefill_kernel, (programs,), args, kwargs
 
 
