@@ -77,6 +77,15 @@ if [[ $what == pending97 ]]; then
     --out "$OUT/snake.md" > "$OUT/snake.log" 2>&1
   echo "snake rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/snake.md"
 fi
+if [[ $what == pending98 ]]; then
+  # session 30 (issues 3, 4; ~3 min): prefill steps of the real models captured in graphs, on the Gluon kernel
+  # (head dim 128); each replay checked against the step on the same padded batch
+  for model in ouro-1.4b nanbeige4.2-3b; do
+    timeout 150 python3 benchmarks/prefill_graph_bench.py --model $model --lengths 16,128,512,2000 --mixed 15 \
+      --reps 3 --out "$OUT/prefill_graphs_$model.md" > "$OUT/prefill_graphs_$model.log" 2>&1
+    echo "prefill graphs $model rc=$?"; cat "$OUT/prefill_graphs_$model.md" 2>/dev/null || tail -5 "$OUT/prefill_graphs_$model.log"
+  done
+fi
 if [[ $what == pending85 ]]; then
   # session 26 (issue 4, an H200 only; ~2 min): Ouro-1.4B's headline row with the down projection's 4096-long runs
   # (session 25's default) and its 2048-long runs as a variant
