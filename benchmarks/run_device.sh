@@ -52,16 +52,17 @@ if [[ $what == final ]]; then
 fi
 if [[ $what == pending96 ]]; then
   # sessions 29-30 (issue 3, ~5 min): the Gluon kernel's 128-row tiles (two consumer warp groups sharing each key
-  # tile) and its persistent programs in snake order -- parity (GPU tests, with the compiled engine's prefill graphs
-  # on the kernel), the kernel alone against the 64-row default and SDPA, then the op
+  # tile) and its persistent programs in snake or dynamic order -- parity (GPU tests, with the compiled engine's
+  # prefill graphs on the kernel), the kernel alone against the 64-row default and SDPA, then the op
   timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py \
     "tests/test_engine_gpu.py::test_cuda_compiled_prefill_graphs_with_the_gluon_kernel" > "$OUT/gpu_gluon.log" 2>&1
   tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 120 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;128,128,2,4;128,128,3,4" \
+  timeout 120 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;128,128,2,4;128,128,3,4;64,64,3,4,persistent=2,dynamic=1" \
     > "$OUT/probe_two_groups.md" 2>&1
   echo "probe rc=$?"; cat "$OUT/probe_two_groups.md"
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only \
-    --extra "gluon_block=128,gluon_stages=2;gluon_block=128,gluon_stages=3;gluon_persistent=2,gluon_snake=1" \
+  timeout 240 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_block=128,gluon_stages=2;\
+gluon_block=128,gluon_stages=3;gluon_persistent=2,gluon_dynamic=1;gluon_persistent=2,gluon_snake=1;\
+gluon_block=128,gluon_stages=2,gluon_persistent=1,gluon_dynamic=1" \
     --out "$OUT/prefill_two_groups.md" > "$OUT/prefill_two_groups.log" 2>&1
   echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_two_groups.md"
 fi

@@ -88,6 +88,21 @@ def test_two_consumer_warp_groups_compile_for_sm90(stages):
         assert {24, 240} <= {int(r, 16) for r in regs}, regs
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_dynamic_order_compiles_for_sm90_without_spills(block):
+    """The persistent programs' dynamic order (the copy warp takes items from a global counter and hands
+    them over in shared memory): no spills with one warp group (as the default); the 128-row tiles'
+    registers and shared memory as without it (spills there show only on the device's triton)."""
+    tile = {"persistent": 2, "dynamic": 1, "block_m": block, "block_n": block, "stages": 3 if block == 64 else 2}
+    report = compile_sm90(48, 8, tile=tile)
+    assert report.n_regs == (128 if block == 64 else 168), report
+    if block == 64:
+        assert (report.spill_stores, report.spill_loads) == (0, 0), report
+        assert report.shared + 1024 <= 228 * 1024 // 2, report.shared
+    else:
+        assert report.shared + 1024 <= 228 * 1024, report.shared
+
+
 def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None):
     """``gluon_prefill_launch`` for one sequence of ``tokens`` on meta tensors (head dim 64; by default a
     cache of 8 blocks of 16 slots)."""
@@ -134,6 +149,20 @@ def test_snake_order_runs_whole_rounds(monkeypatch, persistent, sms, loop_items,
     _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile={"persistent": persistent, "snake": 1})
     assert args[16] == loop_items
     assert kwargs.get("SNAKE", False) is snake
+
+
+@pytest.mark.parametrize(("persistent", "sms", "dynamic"), [(0, 3, False), (2, 3, True), (2, 132, False)])
+def test_dynamic_order_takes_a_counter(monkeypatch, persistent, sms, dynamic):
+    """``dynamic`` (with fewer programs than items) passes the device's counters, zero, and no snake
+    order; with one program per item it has nothing to balance."""
+    monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
+    tile = {"persistent": persistent, "dynamic": 1, "snake": 1}
+    _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile=tile)
+    assert kwargs.get("DYNAMIC", False) is dynamic
+    assert "SNAKE" not in kwargs if dynamic else True
+    if dynamic:
+        assert kwargs["counter_ptr"].shape == (2,) and kwargs["counter_ptr"].dtype == torch.int32
+        assert args[16] == 12  # the items; the counter, not the loop index, ends the programs' loops
 
 
 SENTINEL = 7.0  # the output rows the Gluon launch's stand-in writes
@@ -233,16 +262,18 @@ def count_gluon_launches(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(
     ("persistent", "sms", "block", "snake"),
     [(0, None, 64, 0), (2, None, 64, 0), (3, 1, 64, 0), (2, None, 64, 1), (3, 1, 64, 1), (0, None, 128, 0),
-     (3, 1, 128, 0), (3, 1, 128, 1)],
+     (3, 1, 128, 0), (3, 1, 128, 1), (2, None, 64, "dynamic"), (3, 1, 64, "dynamic"), (3, 1, 128, "dynamic")],
 )  # fmt: skip
 def test_gluon_prefill_matches_reference(
     monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms, block, snake
 ):  # fmt: skip
     """One program per work item, ``persistent`` programs per SM, and three programs in all (``sms`` 1),
     each then serving dozens of items through the same ring of stages and query buffer, in stride or
-    snake order; 64-row tiles (one consumer warp group) and 128-row tiles (two)."""
+    snake order or taking them from the counter (``dynamic``, whose counters must be back at zero after
+    each launch); 64-row tiles (one consumer warp group) and 128-row tiles (two)."""
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
-    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "snake", snake)
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "snake", int(snake == 1))
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake == "dynamic"))
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_m", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_n", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "stages", 3 if block == 64 else 2)
@@ -254,6 +285,10 @@ def test_gluon_prefill_matches_reference(
     )
     check_attention(case, None, config=GLUON, fused=True)
     assert launches == [1]
+    if snake == "dynamic":  # the counters back at zero, and a second launch from them as right as the first
+        assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
+        check_attention(case, None, config=GLUON, fused=True)
+        assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
 
 
 @hopper

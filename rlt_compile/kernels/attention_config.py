@@ -285,6 +285,7 @@ CONFIG_KEYS = frozenset(
         "gluon_prefill",
         "gluon_persistent",
         "gluon_snake",
+        "gluon_dynamic",
         "gluon_block",
         "gluon_stages",
         "split_grain",

@@ -70,7 +70,20 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # group finishes the current one; 5-21% slower in the op (session 29), so off. Program p took items p, p +
 # programs, ...: with the items heaviest first, the low programs took the heaviest of every round (on Ouro's
 # 1 x 8k prompt, ~25% more key tiles than the high ones). snake: 1 reverses every other round (not yet run).
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0, "snake": 0}
+# dynamic: 1 has the persistent programs take the items from a counter in global memory, in the order of one
+# program per item (greedy: the next free program takes the next item); not yet run
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0, "snake": 0, "dynamic": 0}
+
+# per device: the dynamic order's two counters (next item, programs done), zero between launches
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The dynamic order's counters on ``device``, made (zeroed) at the first launch there. Launches
+    that use them run one after another (one stream, as the engine's steps and their graphs do)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 @gluon.jit
@@ -204,6 +217,8 @@ def _gluon_prefill_kernel(
     WRITE_KV: gl.constexpr,
     ROW_LAYOUT: gl.constexpr,
     SNAKE: gl.constexpr = False,
+    DYNAMIC: gl.constexpr = False,
+    counter_ptr=None,
 ):
     dtype: gl.constexpr = q_desc.block_type.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -217,7 +232,11 @@ def _gluon_prefill_kernel(
         else:
             mbarrier.init(bars.index(i), count=1)
     descs = (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc)
-    smem = (q_smem, k_smem, v_smem, bars)
+    if DYNAMIC:  # the copy warp's hand-over of each item's fields
+        info = gl.allocate_shared_memory(gl.int32, [8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        info = bars  # unused
+    smem = (q_smem, k_smem, v_smem, bars, info)
     ptrs = (k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr)
     sizes = (num_seqs, num_tokens, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
              stride_bt)  # fmt: skip
@@ -225,18 +244,20 @@ def _gluon_prefill_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE)),
-             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS, SNAKE))],
+                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
+             (_copy_warp, (descs, smem, ptrs, sizes, counter_ptr, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
+                           BOX_ROWS, SNAKE, DYNAMIC))],
             [1],
             [24],
         )  # fmt: skip
     else:  # two warp groups share each key tile, the query tile's upper and lower rows
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE)),
+                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
              (_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE)),
-             (_copy_warp, (descs, smem, ptrs, sizes, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS, SNAKE))],
+                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
+             (_copy_warp, (descs, smem, ptrs, sizes, counter_ptr, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
+                           BOX_ROWS, SNAKE, DYNAMIC))],
             [WARPS, 1],
             [CONSUMER_REGS, 24],
         )  # fmt: skip
@@ -276,44 +297,111 @@ def _load_prefix(k_desc, v_desc, k_smem, v_smem, bars, stage, table, start, ctx_
 
 
 @gluon.jit
-def _copy_warp(descs, smem, ptrs, sizes, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, SNAKE: gl.constexpr):  # fmt: skip
-    """The copy warp: each item's query tile once the warp group holds the previous one in registers,
-    then its prefix's and its own rows' key/value tiles into the ring as the warp group frees stages."""
+def _copy_item(descs, smem, ptrs, sizes, ring, head, seq, q_start, q_len, ctx_len, m0, GROUP: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+               BOX_ROWS: gl.constexpr):  # fmt: skip
+    """The copies of one work item (its query buffer free): the query tile, then the prefix's and the own
+    rows' key/value tiles into the ring as the warp group frees stages. Returns the ring's count after it."""
     q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc = descs
-    q_smem, k_smem, v_smem, bars = smem
-    block_tables_ptr, seq_lens_ptr, query_start_ptr = ptrs[3], ptrs[4], ptrs[5]
-    num_seqs, num_tokens, num_heads, num_items, stride_bt = sizes[0], sizes[1], sizes[2], sizes[3], sizes[9]
+    q_smem, k_smem, v_smem, bars = smem[0], smem[1], smem[2], smem[3]
+    block_tables_ptr, stride_bt = ptrs[3], sizes[9]
     STAGES: gl.constexpr = k_smem.shape[0]
     FREE: gl.constexpr = K_BARS + 2 * STAGES
+    mbarrier.expect(bars.index(Q_BAR), BLOCK_M * HEAD_DIM * 2)
+    _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], bars.index(Q_BAR), q_smem)
+    col = (head // GROUP) * HEAD_DIM
+    num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
+    table = block_tables_ptr + seq.to(gl.int64) * stride_bt
+    for j in range(num_pre):
+        stage = (ring + j) % STAGES
+        mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
+        _load_prefix(k_cache_desc, v_cache_desc, k_smem, v_smem, bars, stage, table, j * BLOCK_N, ctx_len, col,
+                     BLOCK_N, BLOCK_SIZE, BOX_ROWS)  # fmt: skip
+    ring += num_pre
+    num_own = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+    for j in range(num_own):
+        stage = (ring + j) % STAGES
+        mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
+        _load_own(k_desc, v_desc, k_smem, v_smem, bars, stage, q_start + j * BLOCK_N, col, BLOCK_N)
+    return ring + num_own
+
+
+@gluon.jit
+def _post_item(info, kind, head, q_start, q_len, ctx_len, m0):
+    """The copy warp hands an item's fields to the warp groups through shared memory ``info`` (read
+    once the query barrier's turn completes: the arrive after these stores releases them)."""
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
+    offs = gl.arange(0, 8, layout=layout)
+    fields = gl.where(offs == 0, kind, gl.where(offs == 1, head, gl.where(offs == 2, q_start, 0)))
+    fields = gl.where(offs == 3, q_len, gl.where(offs == 4, ctx_len, gl.where(offs == 5, m0, fields)))
+    info.store(fields)
+    _barrier()  # every lane's stores before the one thread's arrive
+
+
+@gluon.jit
+def _field(fields, offs, k: gl.constexpr):
+    return gl.sum(gl.where(offs == k, fields, 0), axis=0)
+
+
+@gluon.jit
+def _read_item(info, WARPS: gl.constexpr):
+    """The fields ``_post_item`` stored: ``(kind, head, q_start, q_len, ctx_len, m0)``."""
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [WARPS], [0])
+    fields = info.load(layout)
+    offs = gl.arange(0, 8, layout=layout)
+    return (_field(fields, offs, 0), _field(fields, offs, 1), _field(fields, offs, 2), _field(fields, offs, 3),
+            _field(fields, offs, 4), _field(fields, offs, 5))  # fmt: skip
+
+
+@gluon.jit
+def _copy_warp(descs, smem, ptrs, sizes, counter_ptr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr,
+               SNAKE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+    """The copy warp: each item's copies (``_copy_item``) once the warp group holds the previous query
+    tile in registers. Items come from the program's loop index or, ``DYNAMIC``, from the shared counter
+    ``counter_ptr[0]`` (the next item of the launch), heaviest first within a sequence: greedy list
+    scheduling, as the hardware does for one program per item. The last program to finish (counted in
+    ``counter_ptr[1]``) sets both back to zero for the next launch."""
+    bars = smem[3]
+    seq_lens_ptr, query_start_ptr = ptrs[4], ptrs[5]
+    num_seqs, num_tokens, num_heads, num_items = sizes[0], sizes[1], sizes[2], sizes[3]
+    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     ring = 0  # key tiles copied so far: the ring's stage and phase
-    served = 0  # items attended so far: the query barriers' phase
-    for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
-            query_start_ptr, seq_lens_ptr, _snake(i, SNAKE), num_heads, num_seqs, num_tokens, BLOCK_M, 32,
-            gl.BlockedLayout([1], [32], [1], [0]),
-        )  # fmt: skip
-        if kind == 1:
-            # a fresh barrier counts as phase 1 complete: the first wait on each passes at once
-            mbarrier.wait(bars.index(Q_FREE), (served & 1) ^ 1)
-            mbarrier.expect(bars.index(Q_BAR), BLOCK_M * HEAD_DIM * 2)
-            _tma_load(q_desc, [q_start + m0, head * HEAD_DIM], bars.index(Q_BAR), q_smem)
-            col = (head // GROUP) * HEAD_DIM
-            num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
-            table = block_tables_ptr + seq.to(gl.int64) * stride_bt
-            for j in range(num_pre):
-                stage = (ring + j) % STAGES
-                mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
-                _load_prefix(k_cache_desc, v_cache_desc, k_smem, v_smem, bars, stage, table, j * BLOCK_N, ctx_len,
-                             col, BLOCK_N, BLOCK_SIZE, BOX_ROWS)  # fmt: skip
-            ring += num_pre
-            num_own = (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
-            for j in range(num_own):
-                stage = (ring + j) % STAGES
-                mbarrier.wait(bars.index(FREE + stage), (((ring + j) // STAGES) & 1) ^ 1)
-                _load_own(k_desc, v_desc, k_smem, v_smem, bars, stage, q_start + j * BLOCK_N, col, BLOCK_N)
-            ring += num_own
-            served += 1
+    served = 0  # items handed over so far: the query barriers' phase
+    if DYNAMIC:
+        item = gl.atomic_add(counter_ptr, 1)
+        while item < num_items:
+            kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
+                query_start_ptr, seq_lens_ptr, item, num_heads, num_seqs, num_tokens, BLOCK_M, 32, seq_layout
+            )
+            if kind != 0:
+                mbarrier.wait(bars.index(Q_FREE), (served & 1) ^ 1)
+                _post_item(smem[4], kind, head, q_start, q_len, ctx_len, m0)
+                if kind == 1:
+                    ring = _copy_item(descs, smem, ptrs, sizes, ring, head, seq, q_start, q_len, ctx_len, m0, GROUP,
+                                      HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS)  # fmt: skip
+                else:  # padding rows: the warp groups write zeros
+                    mbarrier.arrive(bars.index(Q_BAR), count=1)
+                served += 1
+            item = gl.atomic_add(counter_ptr, 1)
+        mbarrier.wait(bars.index(Q_FREE), (served & 1) ^ 1)
+        _post_item(smem[4], -1, 0, 0, 0, 0, 0)
+        mbarrier.arrive(bars.index(Q_BAR), count=1)
+        if gl.atomic_add(counter_ptr + 1, 1) == gl.num_programs(0) - 1:  # every program past its last item
+            gl.atomic_xchg(counter_ptr, 0)
+            gl.atomic_xchg(counter_ptr + 1, 0)
+    else:
+        for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
+                query_start_ptr, seq_lens_ptr, _snake(i, SNAKE), num_heads, num_seqs, num_tokens, BLOCK_M, 32,
+                seq_layout,
+            )  # fmt: skip
+            if kind == 1:
+                # a fresh barrier counts as phase 1 complete: the first wait on each passes at once
+                mbarrier.wait(bars.index(Q_FREE), (served & 1) ^ 1)
+                ring = _copy_item(descs, smem, ptrs, sizes, ring, head, seq, q_start, q_len, ctx_len, m0, GROUP,
+                                  HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS)  # fmt: skip
+                served += 1
 
 
 @gluon.jit
@@ -331,16 +419,17 @@ def _zero_rows_past(tile, first, limit, BLOCK_N: gl.constexpr, layout: gl.conste
 
 
 @gluon.jit
-def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WG: gl.constexpr,
-            CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr,
-            SNAKE: gl.constexpr):  # fmt: skip
-    """Consumer warp group ``WG`` of ``CONSUMERS``: for each item, the key loop of its rows of the query
-    tile (prefix tiles, then own rows'), then its output rows and (the first query head of a KV group)
-    its K/V rows in the cache; padding items' rows get zeros."""
-    q_smem, k_smem, v_smem, bars = smem
-    k_cache_ptr, v_cache_ptr, slot_ptr, _, seq_lens_ptr, query_start_ptr, out_ptr = ptrs
-    num_seqs, num_tokens, num_heads, num_items, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, _ = sizes
+def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len, ctx_len, m0,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_SIZE: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr,
+                 WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
+    """Warp group ``WG``'s part of one work item (``_find_item``'s fields): the key loop of its rows of the
+    query tile (prefix tiles, then own rows'), then its output rows and (the first query head of a KV
+    group) its K/V rows in the cache; a padding item's rows get zeros. Returns the ring's and the query
+    barrier's counts after it."""
+    q_smem, k_smem, v_smem, bars = smem[0], smem[1], smem[2], smem[3]
+    k_cache_ptr, v_cache_ptr, slot_ptr, out_ptr = ptrs[0], ptrs[1], ptrs[2], ptrs[6]
+    stride_ot, stride_oh, stride_cb, stride_cs, stride_ch = sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]
     STAGES: gl.constexpr = k_smem.shape[0]
     V_BARS: gl.constexpr = K_BARS + STAGES
     FREE: gl.constexpr = K_BARS + 2 * STAGES
@@ -359,107 +448,139 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS  # this warp group's rows of a query tile, from ROWS * WG on
     OUT_BAR: gl.constexpr = K_BARS + 3 * STAGES
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    r0 = m0 + WG * ROWS  # the sequence's row of this warp group's first row
+    if kind == 2:
+        zeros = gl.zeros([ROWS, HEAD_DIM], dtype, ROW_LAYOUT)
+        _store_rows(zeros, out_ptr, q_start, r0, q_len, head, stride_ot, stride_oh, HEAD_DIM, ROWS, ROW_LAYOUT)
+    if kind == 1:
+        num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
+        num_kv = num_pre + (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
+        # the prefix's last tile, where it is partial: its value rows past the prefix are zeroed before its
+        # PV product (the copies brought whatever the cache holds there, and 0 * NaN is NaN)
+        cut = gl.where(ctx_len % BLOCK_N != 0, num_pre - 1, -1)
+        offs_m = r0 + gl.arange(0, ROWS, layout=row_s)
+        m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+
+        # one warp group: the queries as the score product's register operand (half its shared-memory
+        # reads), their buffer then free for the next item's; two: read from shared memory (the registers
+        # go to the 64 x 128 score tile), the buffer free once the item's last score product is done
+        mbarrier.wait(bars.index(Q_BAR), served & 1)
+        if CONSUMERS == 1:
+            q_op = q_smem.load(q_layout)
+            _barrier()  # every warp's reads done before the one thread's arrive
+            mbarrier.arrive(bars.index(Q_FREE), count=1)
+        else:
+            q_op = q_smem.slice(WG * ROWS, ROWS)
+
+        stage = ring % STAGES
+        mbarrier.wait(bars.index(K_BARS + stage), (ring // STAGES) & 1)
+        s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
+        if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, num_kv):
+            prev = stage
+            stage = (ring + j) % STAGES
+            if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
+                mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
+            mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+            s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+            if CONSUMERS == 1:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
+                                          col_s)  # fmt: skip
+            # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
+            if CONSUMERS > 1:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
+        if CONSUMERS == 1:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+
+        if CONSUMERS > 1:  # the other warp group's score product may still read the rows staged below
+            mbarrier.arrive(bars.index(Q_FREE), count=1)
+            mbarrier.arrive(bars.index(OUT_BAR), count=1)
+            mbarrier.wait(bars.index(OUT_BAR), served & 1)
+
+        # the last key tile is the query tile's own rows (block_m == block_n), still in its stage: the
+        # KV write reads this warp group's rows there, then its output rows go through them to 16-byte stores
+        k_rows = k_smem.index(stage).slice(WG * ROWS, ROWS)
+        if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
+            if head % GROUP == 0:
+                kv_head = head // GROUP
+                _store_kv(k_rows.load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, r0, q_len, kv_head, stride_cb,
+                          stride_cs, stride_ch, HEAD_DIM, ROWS, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
+                _store_kv(v_smem.index(stage).slice(WG * ROWS, ROWS).load(ROW_LAYOUT), v_cache_ptr, slot_ptr,
+                          q_start, r0, q_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, ROWS, BLOCK_SIZE,
+                          ROW_LAYOUT)  # fmt: skip
+        k_rows.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype))
+        _store_rows(k_rows.load(ROW_LAYOUT), out_ptr, q_start, r0, q_len, head, stride_ot, stride_oh, HEAD_DIM,
+                    ROWS, ROW_LAYOUT)  # fmt: skip
+        # the stage's last generic reads and writes ordered before the copy warp's next TMA copy into it
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(bars.index(FREE + stage), count=1)
+        ring += num_kv
+        served += 1
+    return ring, served
+
+
+@gluon.jit
+def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WG: gl.constexpr,
+            CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr,
+            SNAKE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+    """Consumer warp group ``WG`` of ``CONSUMERS``: its part of each work item (``_attend_item``), the
+    items found from the program's loop index or, ``DYNAMIC``, handed over by the copy warp."""
+    bars = smem[3]
+    seq_lens_ptr, query_start_ptr = ptrs[4], ptrs[5]
+    num_seqs, num_tokens, num_heads, num_items = sizes[0], sizes[1], sizes[2], sizes[3]
+    STAGES: gl.constexpr = smem[1].shape[0]
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
     ring = 0  # key tiles consumed so far: the ring's stage and phase
     served = 0  # items attended so far: the query barrier's phase
-    for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
-            query_start_ptr,
-            seq_lens_ptr,
-            _snake(i, SNAKE),
-            num_heads,
-            num_seqs,
-            num_tokens,
-            BLOCK_M,
-            32 * WARPS,
-            seq_layout,
-        )
-        r0 = m0 + WG * ROWS  # the sequence's row of this warp group's first row
-        if kind == 2:
-            zeros = gl.zeros([ROWS, HEAD_DIM], dtype, ROW_LAYOUT)
-            _store_rows(zeros, out_ptr, q_start, r0, q_len, head, stride_ot, stride_oh, HEAD_DIM, ROWS, ROW_LAYOUT)
-        if kind == 1:
-            num_pre = (ctx_len + BLOCK_N - 1) // BLOCK_N
-            num_kv = num_pre + (gl.minimum(m0 + BLOCK_M, q_len) + BLOCK_N - 1) // BLOCK_N
-            # the prefix's last tile, where it is partial: its value rows past the prefix are zeroed before its
-            # PV product (the copies brought whatever the cache holds there, and 0 * NaN is NaN)
-            cut = gl.where(ctx_len % BLOCK_N != 0, num_pre - 1, -1)
-            offs_m = r0 + gl.arange(0, ROWS, layout=row_s)
-            m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN before the first key
-            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-
-            # one warp group: the queries as the score product's register operand (half its shared-memory
-            # reads), their buffer then free for the next item's; two: read from shared memory (the registers
-            # go to the 64 x 128 score tile), the buffer free once the item's last score product is done
+    if DYNAMIC:  # the copy warp hands each item over in shared memory, then a negative kind: no more
+        mbarrier.wait(bars.index(Q_BAR), 0)
+        kind, head, q_start, q_len, ctx_len, m0 = _read_item(smem[4], WARPS)
+        while kind >= 0:
+            ring, served = _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len,
+                                        ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
+                                        WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
+            if kind == 2:  # padding rows: the query barrier's turn came without a copy
+                _barrier()
+                mbarrier.arrive(bars.index(Q_FREE), count=1)
+                served += 1
             mbarrier.wait(bars.index(Q_BAR), served & 1)
-            if CONSUMERS == 1:
-                q_op = q_smem.load(q_layout)
-                _barrier()  # every warp's reads done before the one thread's arrive
-                mbarrier.arrive(bars.index(Q_FREE), count=1)
-            else:
-                q_op = q_smem.slice(WG * ROWS, ROWS)
-
-            stage = ring % STAGES
-            mbarrier.wait(bars.index(K_BARS + stage), (ring // STAGES) & 1)
-            s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
-            if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, num_kv):
-                prev = stage
-                stage = (ring + j) % STAGES
-                if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
-                    mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                    _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
-                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                if CONSUMERS == 1:
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
-                                              col_s)  # fmt: skip
-                # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
-                if CONSUMERS > 1:
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
-            if CONSUMERS == 1:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-
-            if CONSUMERS > 1:  # the other warp group's score product may still read the rows staged below
-                mbarrier.arrive(bars.index(Q_FREE), count=1)
-                mbarrier.arrive(bars.index(OUT_BAR), count=1)
-                mbarrier.wait(bars.index(OUT_BAR), served & 1)
-
-            # the last key tile is the query tile's own rows (block_m == block_n), still in its stage: the
-            # KV write reads this warp group's rows there, then its output rows go through them to 16-byte stores
-            k_rows = k_smem.index(stage).slice(WG * ROWS, ROWS)
-            if WRITE_KV:  # noqa: SIM102 (constexpr, then runtime)
-                if head % GROUP == 0:
-                    kv_head = head // GROUP
-                    _store_kv(k_rows.load(ROW_LAYOUT), k_cache_ptr, slot_ptr, q_start, r0, q_len, kv_head, stride_cb,
-                              stride_cs, stride_ch, HEAD_DIM, ROWS, BLOCK_SIZE, ROW_LAYOUT)  # fmt: skip
-                    _store_kv(v_smem.index(stage).slice(WG * ROWS, ROWS).load(ROW_LAYOUT), v_cache_ptr, slot_ptr,
-                              q_start, r0, q_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, ROWS, BLOCK_SIZE,
-                              ROW_LAYOUT)  # fmt: skip
-            k_rows.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(dtype))
-            _store_rows(k_rows.load(ROW_LAYOUT), out_ptr, q_start, r0, q_len, head, stride_ot, stride_oh, HEAD_DIM,
-                        ROWS, ROW_LAYOUT)  # fmt: skip
-            # the stage's last generic reads and writes ordered before the copy warp's next TMA copy into it
-            fence_async_shared()
-            _barrier()
-            mbarrier.arrive(bars.index(FREE + stage), count=1)
-            ring += num_kv
-            served += 1
+            kind, head, q_start, q_len, ctx_len, m0 = _read_item(smem[4], WARPS)
+    else:
+        for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            kind, head, seq, q_start, q_len, ctx_len, m0 = _find_item(
+                query_start_ptr,
+                seq_lens_ptr,
+                _snake(i, SNAKE),
+                num_heads,
+                num_seqs,
+                num_tokens,
+                BLOCK_M,
+                32 * WARPS,
+                seq_layout,
+            )
+            ring, served = _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len,
+                                        ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
+                                        WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
     # every copy the copy warp issued has been waited for; with two warp groups the other may still arrive on a
     # stage's barrier after this one's last item, so the barriers stay as they are (the kernel ends with them)
     if CONSUMERS == 1:
@@ -522,7 +643,8 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     programs = num_items
     if tile["persistent"]:
         programs = min(num_items, tile["persistent"] * sm_count(q.device))
-    snake = bool(tile["snake"]) and programs < num_items
+    dynamic = bool(tile["dynamic"]) and programs < num_items
+    snake = bool(tile["snake"]) and programs < num_items and not dynamic
     # the loop's bound: with snake order, whole rounds (a program's reversed item can lie past its own loop's
     # last index; indices past the items find nothing to do)
     loop_items = -(-num_items // programs) * programs if snake else num_items
@@ -553,6 +675,9 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     )
     if snake:
         kwargs["SNAKE"] = True
+    if dynamic:
+        kwargs["DYNAMIC"] = True
+        kwargs["counter_ptr"] = _counters(q.device)
     return _gluon_prefill_kernel, (programs,), args, kwargs
 
 

@@ -223,8 +223,8 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     op with the KV write) the Gluon kernel took 0.88x / 0.97x this kernel's time on Nanbeige's (GQA
     48/8) 8 x 1k / 1 x 8k prompts and 0.61x on its chunks after a cached prefix; on Ouro's (MHA 16)
     1.01x / 0.99x on the prompts, 0.72x on the chunks and 0.94x on a prompt with decode rows;
-    ``gluon_persistent``, ``gluon_snake``, ``gluon_block`` (its ``block_m`` = ``block_n``) and
-    ``gluon_stages`` override its ``GLUON_TILE``.
+    ``gluon_persistent``, ``gluon_snake``, ``gluon_dynamic``, ``gluon_block`` (its ``block_m`` =
+    ``block_n``) and ``gluon_stages`` override its ``GLUON_TILE``.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
     (Ouro and Nanbeige, 8 x 1k and 1 x 8k); 128 x 128 with 8 warps came second."""
@@ -235,7 +235,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
     cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_prefill": None}
-    cfg |= {"gluon_persistent": None, "gluon_snake": None, "gluon_block": None, "gluon_stages": None}
+    cfg |= {key: None for key in ("gluon_persistent", "gluon_snake", "gluon_dynamic", "gluon_block", "gluon_stages")}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -324,7 +324,7 @@ def prefill_tma_attention(
         from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
 
         q_tma = q if _tma_ready(q) else q.contiguous()
-        keys = ("persistent", "snake", "stages")
+        keys = ("persistent", "snake", "dynamic", "stages")
         tile = {key: int(cfg[f"gluon_{key}"]) for key in keys if cfg[f"gluon_{key}"] is not None}
         if cfg["gluon_block"] is not None:
             tile["block_m"] = tile["block_n"] = int(cfg["gluon_block"])
