@@ -69,14 +69,14 @@ fi
 if [[ $what == pending99 ]]; then
   # session 30 (issue 3, ~6 min): pending96 and pending97, leaner (a short budget): parity of the 128-row tiles and the
   # dynamic order (and the engine on the Gluon kernel), the op with each, the mixes
-  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py \
+  timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_prefill_gluon.py \
     "tests/test_engine_gpu.py::test_cuda_compiled_prefill_graphs_with_the_gluon_kernel" > "$OUT/gpu_gluon.log" 2>&1
   tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_block=128,gluon_stages=2;\
+  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_block=128,gluon_stages=2;\
 gluon_persistent=2,gluon_dynamic=1;gluon_block=128,gluon_stages=2,gluon_persistent=1,gluon_dynamic=1" \
     --out "$OUT/prefill_options.md" > "$OUT/prefill_options.log" 2>&1
   echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_options.md"
-  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_prefill=0" \
+  timeout 100 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_prefill=0" \
     --mixes "512,31,2048;128,31,2048;64,63,2048;1024,31,2048" --out "$OUT/mixes.md" > "$OUT/mixes.log" 2>&1
   echo "mixes rc=$?"; cut -d'|' -f2-7,13 "$OUT/mixes.md"
 fi
