@@ -548,6 +548,7 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
     seq_lens_ptr, query_start_ptr = ptrs[4], ptrs[5]
     num_seqs, num_tokens, num_heads, num_items = sizes[0], sizes[1], sizes[2], sizes[3]
     STAGES: gl.constexpr = smem[1].shape[0]
+    OUT_BAR: gl.constexpr = K_BARS + 3 * STAGES
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
     ring = 0  # key tiles consumed so far: the ring's stage and phase
@@ -560,6 +561,9 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
                                         ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
                                         WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
             if kind == 2:  # padding rows: the query barrier's turn came without a copy
+                if CONSUMERS > 1:  # and the output barrier's turn, whose phase follows the items handed over
+                    mbarrier.arrive(bars.index(OUT_BAR), count=1)
+                    mbarrier.wait(bars.index(OUT_BAR), served & 1)
                 _barrier()
                 mbarrier.arrive(bars.index(Q_FREE), count=1)
                 served += 1
