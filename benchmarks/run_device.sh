@@ -5,7 +5,7 @@
 #   tests: pytest -m gpu; bench: decode / attention / engine; more: depth, speculation+WCPB, engine profile;
 #   final: a tree's GPU tests, the four models and the attention table (~6 minutes)
 #   pendingN: what was written but not yet run or timed on a GPU, newest first in the next session's plan
-#   (docs/benchmarks.md). Blocks already run, or replaced by a later one, are removed (sessions 24-29); the records
+#   (docs/benchmarks.md). Blocks already run, or replaced by a later one, are removed (sessions 24-30); the records
 #   in docs/benchmarks.md name their block, and `git log -S pendingN -- benchmarks/run_device.sh` finds it.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -51,42 +51,11 @@ if [[ $what == final ]]; then
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending96 ]]; then
-  # sessions 29-30 (issue 3, ~5 min): the Gluon kernel's 128-row tiles (two consumer warp groups sharing each key
-  # tile) and its persistent programs in snake or dynamic order -- parity (GPU tests, with the compiled engine's
-  # prefill graphs on the kernel), the kernel alone against the 64-row default and SDPA, then the op
-  timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_prefill_gluon.py \
-    "tests/test_engine_gpu.py::test_cuda_compiled_prefill_graphs_with_the_gluon_kernel" > "$OUT/gpu_gluon.log" 2>&1
-  tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 120 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4;128,128,2,4;128,128,3,4;64,64,3,4,persistent=2,dynamic=1" \
-    > "$OUT/probe_two_groups.md" 2>&1
-  echo "probe rc=$?"; cat "$OUT/probe_two_groups.md"
-  timeout 240 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_block=128,gluon_stages=2;\
-gluon_block=128,gluon_stages=3;gluon_persistent=2,gluon_dynamic=1;gluon_persistent=2,gluon_snake=1;\
-gluon_block=128,gluon_stages=2,gluon_persistent=1,gluon_dynamic=1" \
-    --out "$OUT/prefill_two_groups.md" > "$OUT/prefill_two_groups.log" 2>&1
-  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_two_groups.md"
-fi
-if [[ $what == pending99 ]]; then
-  # session 30 (issue 3, ~6 min): pending96 and pending97, leaner (a short budget): parity of the 128-row tiles and the
-  # dynamic order (and the engine on the Gluon kernel), the op with each, the mixes
-  timeout 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_prefill_gluon.py \
-    "tests/test_engine_gpu.py::test_cuda_compiled_prefill_graphs_with_the_gluon_kernel" > "$OUT/gpu_gluon.log" 2>&1
-  tail -1 "$OUT/gpu_gluon.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_gluon.log" | head -10
-  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_block=128,gluon_stages=2;\
-gluon_persistent=2,gluon_dynamic=1;gluon_block=128,gluon_stages=2,gluon_persistent=1,gluon_dynamic=1" \
-    --out "$OUT/prefill_options.md" > "$OUT/prefill_options.log" 2>&1
-  echo "prefill bench rc=$?"; cut -d'|' -f2-5,8-11 "$OUT/prefill_options.md"
-  timeout 100 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_prefill=0" \
-    --mixes "512,31,2048;128,31,2048;64,63,2048;1024,31,2048" --out "$OUT/mixes.md" > "$OUT/mixes.log" 2>&1
-  echo "mixes rc=$?"; cut -d'|' -f2-7,13 "$OUT/mixes.md"
-fi
-if [[ $what == pending97 ]]; then
-  # session 30 (issue 3, ~2 min): mixes of one prompt and decode rows, the prefill op (Gluon, then the TMA kernel)
-  # against the unified kernel -- where MIN_AVERAGE_QUERY should send a mixed batch, for MHA and for GQA
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_prefill=0" \
-    --mixes "512,31,2048;256,31,2048;128,31,2048;64,63,2048;1024,31,2048;2048,31,8192" --out "$OUT/mixes.md" \
-    > "$OUT/mixes.log" 2>&1
-  echo "mixes rc=$?"; cut -d'|' -f2-7,13 "$OUT/mixes.md"
+  # session 30 (issue 3, ~1 min): the Gluon kernel alone against SDPA (cuDNN), one program per item and the dynamic
+  # order (the default since session 30, which timed it only in the op)
+  timeout 120 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4,persistent=0,dynamic=0;64,64,3,4" \
+    > "$OUT/probe_dynamic.md" 2>&1
+  echo "probe rc=$?"; cat "$OUT/probe_dynamic.md"
 fi
 if [[ $what == pending98 ]]; then
   # session 30 (issues 3, 4; ~3 min): prefill steps of the real models captured in graphs, on the Gluon kernel

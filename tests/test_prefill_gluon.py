@@ -146,7 +146,7 @@ def test_snake_order_runs_whole_rounds(monkeypatch, persistent, sms, loop_items,
     3 of 5), where a reversed round's item can lie past a program's own last index; one program per
     item has no rounds to reverse."""
     monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
-    _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile={"persistent": persistent, "snake": 1})
+    _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile={"persistent": persistent, "snake": 1, "dynamic": 0})
     assert args[16] == loop_items
     assert kwargs.get("SNAKE", False) is snake
 

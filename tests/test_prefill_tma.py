@@ -119,7 +119,10 @@ def test_dispatch_rule_is_shape_and_platform_only(monkeypatch, platform, expecte
     assert uses(8 * 1024, 8, 128, cuda, bf16) is expected
     assert uses(8 * 1024, 8, 128, cuda, torch.float16) is expected
     assert uses(8 * 1024, 8, 128, cuda, torch.float32) is False  # fp32 caches keep the unified kernel
-    assert uses(32 * prefill_tma.MIN_AVERAGE_QUERY - 1, 32, 128, cuda, bf16) is False  # decode-heavy mix
+    mix = 32 * prefill_tma.MIN_AVERAGE_QUERY
+    assert uses(mix - 1, 32, 128, cuda, bf16, group=6) is False  # a decode-heavy GQA mix: the unified kernel
+    assert uses(mix, 32, 128, cuda, bf16, group=6) is expected
+    assert uses(33, 32, 128, cuda, bf16) is expected  # MHA: one query of two tokens among decode rows is enough
     assert uses(64, 64, 128, cuda, bf16) is False  # all decode
     assert uses(4096, 1, 96, cuda, bf16) is False  # TMA blocks need a power-of-two head dim
     assert uses(4096, 1, 128, torch.device("cpu"), bf16) is False  # the interpreter only when forced

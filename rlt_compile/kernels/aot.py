@@ -347,7 +347,8 @@ def prefill_tma_serves(workload: Workload, dtype: torch.dtype) -> bool:
     (mocked) platform."""
     from rlt_compile.kernels import prefill_tma
 
-    return prefill_tma.uses_prefill_tma(1024, 2, workload.head_dim, torch.device("cuda"), dtype)
+    group = workload.num_heads // workload.num_kv_heads
+    return prefill_tma.uses_prefill_tma(1024, 2, workload.head_dim, torch.device("cuda"), dtype, group=group)
 
 
 def capture_launches(

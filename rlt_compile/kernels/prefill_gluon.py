@@ -17,18 +17,23 @@ sequence's cached prefix from the paged cache and its own keys ``k``/``v`` ``[T,
 stores those own K/V rows in the cache (the first query head of each KV group). Work items are
 (query tile, head) pairs, heads first, mapped to sequences as in the other kernels (sequence ``s``
 owns tiles ``query_start_loc[s] // BLOCK_M + s`` on, its causally heaviest tile first; the virtual
-sequence ``num_seqs`` is the padding token rows, written as zeros; no host reads). A program takes
-items ``pid, pid + programs, ...`` (one each unless ``persistent``). Partitions
+sequence ``num_seqs`` is the padding token rows, written as zeros; no host reads). By default two
+programs per SM take the items in that order from a counter in global memory (``dynamic``: greedy,
+as the hardware schedules one program per item), so each program's copy warp fetches the next item's
+tiles while its warp group finishes the current one; the last program to finish zeroes the counter.
+Partitions
 (``gl.warp_specialize``): a copy warp issues every TMA copy -- the query tile, the prefix's key /
 value tiles as one box per cache block (or per ``BLOCK_N`` rows of a larger block) and the own
 rows' tiles -- into a ring of ``STAGES`` shared-memory stages; one consumer warp group per 64 query
 rows (one or two) waits for the tiles, computes and frees the stages. The output rows leave through
 the last key stage as 16-byte stores.
 
-Measured (H100, session 29; ``benchmarks/prefill_tma_bench.py``, the op with the KV write,
-docs/benchmarks.md): 0.88x / 0.97x the TMA kernel's time on Nanbeige's (GQA 48/8) 8 x 1k / 1 x 8k
-prompts and 0.61x on its chunks after a cached prefix; 0.99-1.01x on Ouro's (MHA 16) prompts and
-0.72x on its chunks; the kernel alone 0.85-0.96x cuDNN's SDPA (``benchmarks/gluon_prefill_probe.py``).
+Measured (H100, sessions 29-30; ``benchmarks/prefill_tma_bench.py``, the op with the KV write,
+docs/benchmarks.md): with one program per item 0.88x / 0.97x the TMA kernel's time on Nanbeige's
+(GQA 48/8) 8 x 1k / 1 x 8k prompts and 0.61x on its chunks after a cached prefix, 0.99-1.01x on
+Ouro's (MHA 16) prompts and 0.72x on its chunks; the dynamic order then took 0.82x / 0.95x / 0.97x
+of that time on Nanbeige's prompts and chunks, 0.86x / 0.95x / 0.88x on Ouro's. Against gather +
+SDPA (cuDNN) that is 1.26x / 0.99x on Ouro's prompts, 1.01x / 0.93x on Nanbeige's.
 Gluon runs on the GPU only (Triton's interpreter cannot run it); it is tested on the device and
 compiled offline for sm_90 in the CPU suite. 16-bit only, head dims of 64-256 that are powers of
 two, a contiguous cache with blocks of at least 8 slots (``supports``).
@@ -62,17 +67,20 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # block_m, block_n, stages and warps: 64-row tiles take one consumer warp group per program (plus the copy warp),
 # two programs per SM (112 KiB of shared memory each at head dim 128); every tile that left one such program per
 # SM was 20-40% slower (session 25). 128-row tiles take two consumer warp groups of 64 query rows, which share
-# each key tile (FlashAttention-3's split; one program per SM, 160 KiB with 2 stages, 224 KiB with 3); not yet
-# run on a GPU (pending96). block_m must equal block_n: the last key tile is then the query tile's own rows,
+# each key tile (FlashAttention-3's split; one program per SM, 160 KiB with 2 stages, 224 KiB with 3): 1.0-1.3x
+# the 64-row tiles' time in the op (session 30; 2.4x on a prompt with 31 decode rows), so not the default.
+# block_m must equal block_n: the last key tile is then the query tile's own rows,
 # which the KV write and the output's staging use in place. warps: 4 (a warp group).
 # persistent: 0 launches one program per (query tile, head); N > 0 launches N programs per SM that take the
 # work items in turn, so the copy warp fetches the next item's queries and first key tiles while the warp
-# group finishes the current one; 5-21% slower in the op (session 29), so off. Program p took items p, p +
-# programs, ...: with the items heaviest first, the low programs took the heaviest of every round (on Ouro's
-# 1 x 8k prompt, ~25% more key tiles than the high ones). snake: 1 reverses every other round (not yet run).
-# dynamic: 1 has the persistent programs take the items from a counter in global memory, in the order of one
-# program per item (greedy: the next free program takes the next item); not yet run
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 0, "snake": 0, "dynamic": 0}
+# group finishes the current one. In stride order (program p takes items p, p + programs, ...) that was 5-21%
+# slower in the op (session 29): with the items heaviest first within a sequence, a program kept drawing items
+# of one weight (benchmarks/schedule_model.py: up to 1.6x the ideal load). snake: 1 reverses every other round
+# (balances single prompts only; not timed). dynamic: 1 takes the items from a counter in global memory in
+# their order (greedy: the next free program takes the next item), the default: 0.82-0.97x the time of one
+# program per item on the prompts and chunks of both models, 1.02x / 0.96x on Ouro's / Nanbeige's prompt with
+# 31 decode rows (H100, session 30)
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1}
 
 # per device: the dynamic order's two counters (next item, programs done), zero between launches
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -18,14 +18,15 @@ sequence ``num_seqs`` covers the padding token rows past the last real one (writ
 The softmax is online, in fp32 and in the log2 domain.
 
 Served when ``uses_prefill_tma`` says so (a shape-only rule: NVIDIA with TMA, head dim a power of
-two, an average query length of at least ``MIN_AVERAGE_QUERY`` tokens); ``attention_forward`` then
+two, not all decode rows, and for GQA an average query length of at least ``MIN_AVERAGE_QUERY``
+tokens); ``attention_forward`` then
 calls ``prefill_tma_attention`` with the slot mapping, and the kernel is the KV write too: the first
 query head of each KV group stores its tile's own K/V rows as it reads them for the diagonal.
 Measured on the H200 (docs/benchmarks.md, sessions 12-13; the op's whole call, KV write included):
 1.41-1.72x the unified kernel on fresh prompts (Ouro and Nanbeige, 8 x 1k and 1 x 8k), 1.01-1.13x on
 512-token chunks after a 2k cached prefix; the fused write is 1.05-1.17x for Ouro (MHA, more K/V per
 token) and even for Nanbeige. On a decode-heavy mix GQA loses (0.44x: each query head re-reads the
-context), which ``MIN_AVERAGE_QUERY`` keeps on the unified kernel.
+context), which ``MIN_AVERAGE_QUERY`` keeps on the unified kernel; MHA does not (session 30, H100).
 """
 
 from __future__ import annotations
@@ -51,9 +52,13 @@ __all__ = ["MIN_AVERAGE_QUERY", "prefill_tma_attention", "prefill_tma_config", "
 
 REQUIRES = "supports_tma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
 
-# Batches whose queries average fewer tokens than this (decode-heavy mixed batches) stay on the
-# unified kernel, whose programs cover a whole GQA group per K/V tile.
-MIN_AVERAGE_QUERY = 32
+# GQA batches whose queries average fewer tokens than this (decode-heavy mixed batches) stay on the
+# unified kernel, whose programs cover a whole GQA group per K/V tile; here each query head of a decode
+# row re-reads its context. H100, session 30, Nanbeige (48/8), one prompt and 31 decode rows: the unified
+# kernel 1.15-1.5x faster at averages of 2-33 tokens, this op 1.03x at 65 and 1.16x at 129. MHA batches
+# come here whenever a query has more than one token: the decode rows read what the unified kernel reads,
+# faster (Ouro, the same mixes down to an average of 1.98: 1.36-1.41x the unified kernel).
+MIN_AVERAGE_QUERY = 64
 # Softmax weights grow up to 2**rescale_slack between rescales: an fp16 p (max 65504) leaves room.
 MAX_RESCALE_SLACK = 12
 
@@ -270,12 +275,13 @@ def uses_prefill_tma(
     device: torch.device,
     dtype: torch.dtype,
     config: dict | None = None,
+    group: int = 1,
 ) -> bool:
     """Whether ``attention_forward`` sends a batch of this shape here (shapes only, no host reads):
     ``config["prefill_tma"]`` when given (the interpreter runs it only then), else an NVIDIA GPU with
     TMA (``Platform.supports_tma``), a 16-bit cache (fp32 dots in "ieee" precision spill this
-    kernel's tiles on sm_90), a power-of-two head dim of at least 16 and queries of
-    ``MIN_AVERAGE_QUERY`` tokens or more on average."""
+    kernel's tiles on sm_90), a power-of-two head dim of at least 16 and, with GQA (``group`` query
+    heads per KV head), queries of ``MIN_AVERAGE_QUERY`` tokens or more on average."""
     if num_tokens == 0 or num_seqs == 0 or num_tokens == num_seqs:
         return False
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -285,7 +291,7 @@ def uses_prefill_tma(
         return bool(forced)
     if device.type != "cuda" or dtype == torch.float32 or not _platform.current_platform().supports_tma:
         return False
-    return num_tokens >= MIN_AVERAGE_QUERY * num_seqs
+    return group == 1 or num_tokens >= MIN_AVERAGE_QUERY * num_seqs
 
 
 def prefill_tma_attention(

@@ -395,7 +395,8 @@ def attention_forward(
         q.shape[0], seq_lens.shape[0], config, q.shape[1] // kv_heads, kv_heads, sms
     )
     if not fuse or q.shape[0] == 0 or seq_lens.shape[0] == 0:
-        if prefill_tma.uses_prefill_tma(q.shape[0], seq_lens.shape[0], q.shape[2], q.device, kv_cache.dtype, config):
+        shape = (q.shape[0], seq_lens.shape[0], q.shape[2], q.device, kv_cache.dtype)
+        if prefill_tma.uses_prefill_tma(*shape, config, group=q.shape[1] // kv_heads):
             fuse_tma_write = config.get("fuse_write", True)
             if not fuse_tma_write:
                 kv_write_triton(k, v, kv_cache, slot_mapping)
