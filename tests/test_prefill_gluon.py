@@ -153,13 +153,13 @@ def test_snake_order_runs_whole_rounds(monkeypatch, persistent, sms, loop_items,
 
 @pytest.mark.parametrize(("persistent", "sms", "dynamic"), [(0, 3, False), (2, 3, True), (2, 132, False)])
 def test_dynamic_order_takes_a_counter(monkeypatch, persistent, sms, dynamic):
-    """``dynamic`` (with fewer programs than items) passes the device's counters, zero, and no snake
-    order; with one program per item it has nothing to balance."""
+    """``dynamic`` (with fewer programs than items) passes the device's counters and takes the place of
+    the snake order; with one program per item neither has anything to balance."""
     monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: sms)
     tile = {"persistent": persistent, "dynamic": 1, "snake": 1}
     _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile=tile)
     assert kwargs.get("DYNAMIC", False) is dynamic
-    assert "SNAKE" not in kwargs if dynamic else True
+    assert "SNAKE" not in kwargs
     if dynamic:
         assert kwargs["counter_ptr"].shape == (2,) and kwargs["counter_ptr"].dtype == torch.int32
         assert args[16] == 12  # the items; the counter, not the loop index, ends the programs' loops
