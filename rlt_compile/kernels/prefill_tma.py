@@ -59,6 +59,9 @@ REQUIRES = "supports_tma"  # the Platform capability this module's kernel is bui
 # come here whenever a query has more than one token: the decode rows read what the unified kernel reads,
 # faster (Ouro, the same mixes down to an average of 1.98: 1.36-1.41x the unified kernel).
 MIN_AVERAGE_QUERY = 64
+# the Gluon kernel's GLUON_TILE entries that the op's config overrides as gluon_<key> (gluon_block sets both
+# block_m and block_n)
+GLUON_TILE_KEYS = ("persistent", "snake", "dynamic", "stages")
 # Softmax weights grow up to 2**rescale_slack between rescales: an fp16 p (max 65504) leaves room.
 MAX_RESCALE_SLACK = 12
 
@@ -240,7 +243,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     else:
         cfg = {"block_m": 64, "block_n": 64, "warps": 4, "stages": 3}
     cfg |= {"fold_scale": 1, "rescale_slack": 0, "heads_first": 1, "gluon_prefill": None}
-    cfg |= {key: None for key in ("gluon_persistent", "gluon_snake", "gluon_dynamic", "gluon_block", "gluon_stages")}
+    cfg |= {f"gluon_{key}": None for key in (*GLUON_TILE_KEYS, "block")}
     cfg.update({key: config[key] for key in cfg if config.get(key) is not None})
     if cfg["block_m"] % cfg["block_n"]:
         raise ValueError(f"prefill TMA tiles: block_m must be a multiple of block_n, got {cfg}")
@@ -330,8 +333,7 @@ def prefill_tma_attention(
         from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
 
         q_tma = q if _tma_ready(q) else q.contiguous()
-        keys = ("persistent", "snake", "dynamic", "stages")
-        tile = {key: int(cfg[f"gluon_{key}"]) for key in keys if cfg[f"gluon_{key}"] is not None}
+        tile = {key: int(cfg[f"gluon_{key}"]) for key in GLUON_TILE_KEYS if cfg[f"gluon_{key}"] is not None}
         if cfg["gluon_block"] is not None:
             tile["block_m"] = tile["block_n"] = int(cfg["gluon_block"])
         launch_gluon_prefill(
