@@ -90,7 +90,12 @@ def run_gpu(cases, tiles: list[dict]) -> int:
                 launch_gluon_prefill(*packed, cache, tables, seq_lens, starts, out, scale, tile=tile)
 
             out.zero_()
-            run()
+            try:
+                run()
+            except Exception as exc:  # a tile the GPU cannot launch (shared memory): say so, time the others
+                cells.append(f"FAIL {type(exc).__name__}")
+                print(f"{label}, {tile}: {exc}", file=sys.stderr)
+                continue
             err = (out.view(batch, seq, heads, 128).float() - ref).abs().max().item()
             worst = max(worst, err)
             us = 1e3 * bench(run, device)

@@ -52,8 +52,10 @@ if [[ $what == final ]]; then
 fi
 if [[ $what == pending96 ]]; then
   # session 30 (issue 3, ~1 min): the Gluon kernel alone against SDPA (cuDNN), one program per item and the dynamic
-  # order (the default since session 30, which timed it only in the op)
-  timeout 120 python3 benchmarks/gluon_prefill_probe.py --tiles "64,64,3,4,persistent=0,dynamic=0;64,64,3,4" \
+  # order (the default since session 30, which timed it only in the op); session 31 added the 128-row tiles on the
+  # dynamic order with 2 and 3 stages (3: 229752 B of shared memory, sm_90 under triton 3.6; never timed)
+  timeout 150 python3 benchmarks/gluon_prefill_probe.py \
+    --tiles "64,64,3,4,persistent=0,dynamic=0;64,64,3,4;128,128,2,4,persistent=1;128,128,3,4,persistent=1" \
     > "$OUT/probe_dynamic.md" 2>&1
   echo "probe rc=$?"; cat "$OUT/probe_dynamic.md"
 fi
