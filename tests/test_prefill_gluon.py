@@ -165,6 +165,27 @@ def test_dynamic_order_takes_a_counter(monkeypatch, persistent, sms, dynamic):
         assert args[16] == 12  # the items; the counter, not the loop index, ends the programs' loops
 
 
+def test_counters_are_not_made_inside_a_capture(monkeypatch):
+    """A first launch inside CUDA-graph capture gets no counters (a buffer made there would stay unzeroed
+    until the graph's first replay) and none are kept; outside a capture they are made once and kept."""
+    monkeypatch.setattr(prefill_gluon, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert prefill_gluon._counters(torch.device("cuda", 0)) is None
+    assert prefill_gluon._COUNTERS == {}
+    meta = torch.device("meta")  # never a capture: made, then the same buffer again
+    assert prefill_gluon._counters(meta) is prefill_gluon._counters(meta)
+
+
+def test_first_launch_inside_a_capture_takes_one_program_per_item(monkeypatch):
+    """Without counters (``_counters`` None: a capture's first launch) the dynamic order falls back to one
+    program per work item, which needs none."""
+    monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: 3)
+    monkeypatch.setattr(prefill_gluon, "_counters", lambda device: None)
+    _, grid, args, kwargs = meta_launch(64 * 4, 2, 1, tile={"persistent": 2, "dynamic": 1})
+    assert grid == (12,) and args[16] == 12
+    assert "DYNAMIC" not in kwargs and "counter_ptr" not in kwargs
+
+
 SENTINEL = 7.0  # the output rows the Gluon launch's stand-in writes
 
 
@@ -289,6 +310,35 @@ def test_gluon_prefill_matches_reference(
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
         check_attention(case, None, config=GLUON, fused=True)
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
+
+
+@hopper
+@pytest.mark.gpu
+def test_first_launch_inside_a_cuda_graph_capture(monkeypatch):
+    """No counters on the device yet when a graph captures the op: the captured launch takes one program
+    per item, its replays match the reference, and the dynamic order starts at the next eager launch."""
+    monkeypatch.setattr(prefill_gluon, "_COUNTERS", {})
+    case = make_case([300, 77], [0, 40], 48, 8, 128, 16, torch.bfloat16, device="cuda")
+    q, k, v, cache, md = case
+    meta = (md.block_tables, md.seq_lens, md.query_start_loc, 128**-0.5)
+    ref_cache = cache.clone()
+    kv_write_reference(k, v, ref_cache, md.slot_mapping)
+    ref = paged_attention_reference(q, ref_cache, *meta)
+    # the kernel the capture launches, compiled and loaded outside it (no counters made: one program per item)
+    attention_forward(q, k, v, cache.clone(), md.slot_mapping, *meta, config={**GLUON, "gluon_persistent": 0})
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config=GLUON)
+    assert prefill_gluon._COUNTERS == {}
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+    eager = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config=GLUON)
+    assert [c.tolist() for c in prefill_gluon._COUNTERS.values()] == [[0, 0]]
+    torch.testing.assert_close(eager.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @hopper

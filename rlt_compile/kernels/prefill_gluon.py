@@ -20,7 +20,8 @@ owns tiles ``query_start_loc[s] // BLOCK_M + s`` on, its causally heaviest tile 
 sequence ``num_seqs`` is the padding token rows, written as zeros; no host reads). By default two
 programs per SM take the items in that order from a counter in global memory (``dynamic``: greedy,
 as the hardware schedules one program per item), so each program's copy warp fetches the next item's
-tiles while its warp group finishes the current one; the last program to finish zeroes the counter.
+tiles while its warp group finishes the current one; the last program to finish zeroes the counter
+(a first launch inside CUDA-graph capture, before the counters exist, takes one program per item).
 Partitions
 (``gl.warp_specialize``): a copy warp issues every TMA copy -- the query tile, the prefix's key /
 value tiles as one box per cache block (or per ``BLOCK_N`` rows of a larger block) and the own
@@ -86,10 +87,14 @@ GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """The dynamic order's counters on ``device``, made (zeroed) at the first launch there. Launches
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The dynamic order's counters on ``device``, made (zeroed) at the first launch there; None when they
+    do not exist yet during CUDA-graph capture (a buffer made there would belong to the graph's memory pool
+    and stay unzeroed until its first replay), where the launch then takes one program per item. Launches
     that use them run one after another (one stream, as the engine's steps and their graphs do)."""
     if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         _COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
@@ -656,6 +661,9 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     if tile["persistent"]:
         programs = min(num_items, tile["persistent"] * sm_count(q.device))
     dynamic = bool(tile["dynamic"]) and programs < num_items
+    counters = _counters(q.device) if dynamic else None
+    if dynamic and counters is None:  # first launch inside a capture: one program per item instead
+        dynamic, programs = False, num_items
     snake = bool(tile["snake"]) and programs < num_items and not dynamic
     # the loop's bound: with snake order, whole rounds (a program's reversed item can lie past its own loop's
     # last index; indices past the items find nothing to do)
@@ -689,7 +697,7 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
         kwargs["SNAKE"] = True
     if dynamic:
         kwargs["DYNAMIC"] = True
-        kwargs["counter_ptr"] = _counters(q.device)
+        kwargs["counter_ptr"] = counters
     return _gluon_prefill_kernel, (programs,), args, kwargs
 
 
