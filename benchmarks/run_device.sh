@@ -50,6 +50,19 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending100 ]]; then
+  # session 31 (issue 3, ~3 min): Nsight Compute on the default Gluon kernel (dynamic order) in the op, 1 x 8k prompts:
+  # tensor-pipe activity, L2 and shared-memory throughput, warp stalls (what limits it against cuDNN)
+  for model in Nanbeige Ouro; do
+    timeout 150 ncu --kernel-name regex:_gluon_prefill_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section InstructionStats --section Occupancy \
+      python3 benchmarks/attention_case.py --model $model --batch 1 --ctx 8192 --query 8192 > "$OUT/ncu_gluon_$model.txt" 2>&1
+    echo "== ncu $model rc=$?"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|\
+Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Executed Instructions  " "$OUT/ncu_gluon_$model.txt" | head -12
+  done
+fi
 if [[ $what == pending96 ]]; then
   # session 30 (issue 3, ~1 min): the Gluon kernel alone against SDPA (cuDNN), one program per item and the dynamic
   # order (the default since session 30, which timed it only in the op); session 31 added the 128-row tiles on the
