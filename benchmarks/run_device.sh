@@ -50,6 +50,15 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending101 ]]; then
+  # session 31 (issue 3, ~3 min): the overlapped key loop (gluon_overlap=1: the softmax's exponentials issue while the
+  # PV product runs, which ptxas prevents in the default loop) in the op, against the default and gather + SDPA;
+  # its GPU parity first
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_gluon.py -k "overlap or capture" \
+    > "$OUT/overlap_tests.log" 2>&1; tail -2 "$OUT/overlap_tests.log"
+  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_overlap=1" \
+    > "$OUT/prefill_overlap.md" 2>&1; echo "bench rc=$?"; cat "$OUT/prefill_overlap.md"
+fi
 if [[ $what == pending100 ]]; then
   # session 31 (issue 3, ~3 min): Nsight Compute on the default Gluon kernel (dynamic order) in the op, 1 x 8k prompts:
   # tensor-pipe activity, L2 and shared-memory throughput, warp stalls (what limits it against cuDNN)
@@ -65,10 +74,10 @@ Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Execut
 fi
 if [[ $what == pending96 ]]; then
   # session 30 (issue 3, ~1 min): the Gluon kernel alone against SDPA (cuDNN), one program per item and the dynamic
-  # order (the default since session 30, which timed it only in the op); session 31 added the 128-row tiles on the
-  # dynamic order with 2 and 3 stages (3: 229752 B of shared memory, sm_90 under triton 3.6; never timed)
+  # order (the default since session 30, which timed it only in the op); session 31 added the overlapped key loop
+  # (gluon_overlap) and the 128-row tiles on the dynamic order with 3 stages (229752 B of shared memory)
   timeout 150 python3 benchmarks/gluon_prefill_probe.py \
-    --tiles "64,64,3,4,persistent=0,dynamic=0;64,64,3,4;128,128,2,4,persistent=1;128,128,3,4,persistent=1" \
+    --tiles "64,64,3,4;64,64,3,4,overlap=1;64,64,3,4,persistent=0,dynamic=0;128,128,3,4,persistent=1" \
     > "$OUT/probe_dynamic.md" 2>&1
   echo "probe rc=$?"; cat "$OUT/probe_dynamic.md"
 fi

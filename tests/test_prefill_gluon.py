@@ -19,6 +19,7 @@ from test_triton_kernels import check_attention, make_case
 from rlt_compile.kernels import aot, prefill_gluon, prefill_tma
 from rlt_compile.kernels.reference import kv_write_reference, paged_attention_reference
 from rlt_compile.kernels.triton_attention import attention_forward
+from rlt_compile.platform import Platform
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (run with -m gpu on the device)")
@@ -74,6 +75,58 @@ def test_compiles_for_sm90_without_spills(heads, dtype):
         assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
 
 
+def _exps_beside_pv(sass: str) -> list[int]:
+    """For each run of the four PV ``wgmma``s in ``sass``: how many ``MUFU.EX2`` (the softmax's exponentials)
+    issue before the next ``wgmma`` wait, that is while the PV product may still run."""
+    ops = re.findall(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|MUFU\.EX2)", sass)
+    counts = []
+    for i in range(len(ops) - 3):
+        if ops[i : i + 4] == ["HGMMA.64x128x16"] * 4 and (i == 0 or ops[i - 1] != "HGMMA.64x128x16"):
+            tail = ops[i + 4 :]
+            wait = tail.index("WARPGROUP.DEPBAR") if "WARPGROUP.DEPBAR" in tail else len(tail)
+            counts.append(tail[:wait].count("MUFU.EX2"))
+    return counts
+
+
+@pytest.mark.parametrize("head_dim", prefill_gluon.HEAD_DIMS)
+def test_compiles_for_each_head_dim_it_takes(head_dim):
+    """Every head dim the op sends to the kernel compiles for sm_90 at 128 registers, two programs per SM."""
+    report = compile_sm90(16, 16, head_dim=head_dim)
+    assert report.n_regs == 128, report
+    assert report.shared + 1024 <= 228 * 1024 // 2, report.shared
+
+
+@pytest.mark.parametrize(("head_dim", "dtype", "expected"), [(64, torch.bfloat16, True), (128, torch.float16, True),
+                                                             (256, torch.bfloat16, False), (96, torch.bfloat16, False),
+                                                             (128, torch.float32, False)])  # fmt: skip
+def test_op_sends_only_the_head_dims_it_compiles_for(monkeypatch, head_dim, dtype, expected):
+    """On a Hopper GPU the op takes the Gluon kernel for 16-bit head dims 64 and 128; 256 (ptxas runs out
+    of registers at 128 a thread), Huginn's 96 and fp32 stay on the TMA kernel."""
+    monkeypatch.setattr(prefill_tma._platform, "current_platform", lambda: Platform.mock("cuda", capability=(9, 0)))
+    meta = torch.device("meta")
+    q = torch.empty(64, 4, head_dim, dtype=dtype, device=meta)
+    cache = torch.empty(2, 8, 16, 4, head_dim, dtype=dtype, device=meta)
+    assert prefill_tma.uses_gluon_prefill(q, cache, interpret=False) is expected
+    monkeypatch.setattr(prefill_tma._platform, "current_platform", lambda: Platform.mock("cuda", capability=(8, 0)))
+    assert prefill_tma.uses_gluon_prefill(q, cache, interpret=False) is False
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_overlap_runs_the_softmax_beside_the_pv_product(overlap):
+    """ptxas moves the default loop's wait for the PV product above the softmax (the wait follows the
+    exponentials in the PTX, precedes them in the SASS), so no exponential issues while a PV product
+    runs. ``overlap`` issues each PV product after the next tile's score product and waits for it one
+    iteration later: the key loop's 32 exponentials (and the 2 of the rescale factor) then issue while
+    the PV product is in flight, and ptxas serializes no ``wgmma`` (C7512 / C7514). (Spills: none under
+    triton 3.6, the device's; later versions spill a few registers.)"""
+    report = compile_sm90(48, 8, tile={"overlap": overlap})
+    assert report.n_regs == 128, report
+    assert not any(code in w for w in report.extra["ptxas_perf_warnings"] for code in ("C7512", "C7514"))
+    if "sass" in report.extra:
+        beside = _exps_beside_pv(report.extra["sass"])
+        assert max(beside) == (34 if overlap else 0), beside
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_two_consumer_warp_groups_compile_for_sm90(stages):
     """128-row tiles: two consumer warp groups and the copy warp, launched at 168 registers a thread
@@ -122,6 +175,7 @@ def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None):
         ({"block_m": 128}, "block_m must equal block_n"),  # the KV write and the output use the last key tile
         ({"block_m": 96, "block_n": 96}, "one or two warp groups"),
         ({"warps": 8}, "one or two warp groups"),
+        ({"block_m": 128, "block_n": 128, "overlap": 1}, "overlap takes 64-row tiles"),
     ],
 )
 def test_tiles_are_square_and_one_or_two_warp_groups(tile, message):
@@ -283,7 +337,8 @@ def count_gluon_launches(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(
     ("persistent", "sms", "block", "snake"),
     [(0, None, 64, 0), (2, None, 64, 0), (3, 1, 64, 0), (2, None, 64, 1), (3, 1, 64, 1), (0, None, 128, 0),
-     (3, 1, 128, 0), (3, 1, 128, 1), (2, None, 64, "dynamic"), (3, 1, 64, "dynamic"), (3, 1, 128, "dynamic")],
+     (3, 1, 128, 0), (3, 1, 128, 1), (2, None, 64, "dynamic"), (3, 1, 64, "dynamic"), (3, 1, 128, "dynamic"),
+     (0, None, 64, "overlap"), (3, 1, 64, "overlap")],
 )  # fmt: skip
 def test_gluon_prefill_matches_reference(
     monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms, block, snake
@@ -291,10 +346,12 @@ def test_gluon_prefill_matches_reference(
     """One program per work item, ``persistent`` programs per SM, and three programs in all (``sms`` 1),
     each then serving dozens of items through the same ring of stages and query buffer, in stride or
     snake order or taking them from the counter (``dynamic``, whose counters must be back at zero after
-    each launch); 64-row tiles (one consumer warp group) and 128-row tiles (two)."""
+    each launch); 64-row tiles (one consumer warp group) and 128-row tiles (two); the ``overlap`` key loop
+    (64-row tiles, on the dynamic order)."""
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "snake", int(snake == 1))
-    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake == "dynamic"))
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake in ("dynamic", "overlap")))
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "overlap", int(snake == "overlap"))
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_m", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_n", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "stages", 3 if block == 64 else 2)
@@ -306,7 +363,9 @@ def test_gluon_prefill_matches_reference(
     )
     check_attention(case, None, config=GLUON, fused=True)
     assert launches == [1]
-    if snake == "dynamic":  # the counters back at zero, and a second launch from them as right as the first
+    if snake == "dynamic" or (
+        snake == "overlap" and persistent
+    ):  # the counters back at zero, and a second launch from them as right as the first
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
         check_attention(case, None, config=GLUON, fused=True)
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]

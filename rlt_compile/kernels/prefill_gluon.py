@@ -36,8 +36,8 @@ Ouro's (MHA 16) prompts and 0.72x on its chunks; the dynamic order then took 0.8
 of that time on Nanbeige's prompts and chunks, 0.86x / 0.95x / 0.88x on Ouro's. Against gather +
 SDPA (cuDNN) that is 1.26x / 0.99x on Ouro's prompts, 1.01x / 0.93x on Nanbeige's.
 Gluon runs on the GPU only (Triton's interpreter cannot run it); it is tested on the device and
-compiled offline for sm_90 in the CPU suite. 16-bit only, head dims of 64-256 that are powers of
-two, a contiguous cache with blocks of at least 8 slots (``supports``).
+compiled offline for sm_90 in the CPU suite. 16-bit only, head dims of 64 and 128 (``HEAD_DIMS``), a
+contiguous cache with blocks of at least 8 slots (``supports``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -57,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from rlt_compile.kernels.attention_common import LOG2E
 from rlt_compile.kernels.launch import sm_count
 
-__all__ = ["GLUON_TILE", "gluon_prefill_launch", "launch_gluon_prefill", "supports"]
+__all__ = ["GLUON_TILE", "HEAD_DIMS", "gluon_prefill_launch", "launch_gluon_prefill", "supports"]
 REQUIRES = "supports_wgmma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
@@ -81,7 +82,13 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # their order (greedy: the next free program takes the next item), the default: 0.82-0.97x the time of one
 # program per item on the prompts and chunks of both models, 1.02x / 0.96x on Ouro's / Nanbeige's prompt with
 # 31 decode rows (H100, session 30)
-GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1}
+GLUON_TILE = {
+    "block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1, "overlap": 0,
+}  # fmt: skip
+
+# head dims the kernel compiles for on sm_90: at 256 ptxas runs out of registers (it asks for 158 at launch, where
+# two programs per SM allow 128)
+HEAD_DIMS = (64, 128)
 
 # per device: the dynamic order's two counters (next item, programs done), zero between launches
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -231,6 +238,7 @@ def _gluon_prefill_kernel(
     ROW_LAYOUT: gl.constexpr,
     SNAKE: gl.constexpr = False,
     DYNAMIC: gl.constexpr = False,
+    OVERLAP: gl.constexpr = False,
     counter_ptr=None,
 ):
     dtype: gl.constexpr = q_desc.block_type.element_ty
@@ -257,7 +265,7 @@ def _gluon_prefill_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
+                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC, OVERLAP)),
              (_copy_warp, (descs, smem, ptrs, sizes, counter_ptr, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
                            BOX_ROWS, SNAKE, DYNAMIC))],
             [1],
@@ -266,9 +274,9 @@ def _gluon_prefill_kernel(
     else:  # two warp groups share each key tile, the query tile's upper and lower rows
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
+                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC, OVERLAP)),
              (_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
+                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC, OVERLAP)),
              (_copy_warp, (descs, smem, ptrs, sizes, counter_ptr, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
                            BOX_ROWS, SNAKE, DYNAMIC))],
             [WARPS, 1],
@@ -435,7 +443,7 @@ def _zero_rows_past(tile, first, limit, BLOCK_N: gl.constexpr, layout: gl.conste
 def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len, ctx_len, m0,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_SIZE: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr,
-                 WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
+                 WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """Warp group ``WG``'s part of one work item (``_find_item``'s fields): the key loop of its rows of the
     query tile (prefix tiles, then own rows'), then its output rows and (the first query head of a KV
     group) its K/V rows in the cache; a padding item's rows get zeros. Returns the ring's and the query
@@ -493,34 +501,69 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
         s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
-        if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
+        if OVERLAP:
+            # each tile's PV product is issued one iteration later, after the next tile's score product, with the
+            # accumulator rescaled just before it: the wait for the previous PV product then sits between the two
+            # issues, where ptxas cannot hoist it above the softmax (as it does in the loop below, whatever the
+            # source order: the softmax there runs after that wait, not beside the PV product)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, num_kv):
-            prev = stage
-            stage = (ring + j) % STAGES
-            if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
+            p_run = p_op  # the operand of the PV product in flight (none yet)
+            acc = warpgroup_mma_init(acc)  # the loop carries the accumulator of the PV product in flight
+            for j in range(1, num_kv):
+                prev = stage
+                stage = (ring + j) % STAGES
+                if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
+                    mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                    _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
+                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                # PV(j-2) and S(j) done; the PV operand's registers kept alive to here
+                acc_done, p_run, s = warpgroup_mma_wait(0, deps=(acc, p_run, s))
+                if j > 1:  # tile j-2 consumed: its stage to the copy warp
+                    mbarrier.arrive(bars.index(FREE + (ring + j - 2) % STAGES), count=1)
+                acc_done = acc_done * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
-            mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-            s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc_done, is_async=True)
+                p_run = p_op  # PV(j-1) runs during the softmax
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
+                                              col_s)  # fmt: skip
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc, p_run = warpgroup_mma_wait(0, deps=(acc, p_run))
+            if num_kv > 1:
+                mbarrier.arrive(bars.index(FREE + (ring + num_kv - 2) % STAGES), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        else:
+            if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, num_kv):
+                prev = stage
+                stage = (ring + j) % STAGES
+                if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
+                    mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                    _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
+                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+                if CONSUMERS == 1:
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
+                                              col_s)  # fmt: skip
+                # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
+                if CONSUMERS > 1:
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
             if CONSUMERS == 1:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
-                                          col_s)  # fmt: skip
-            # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
-            if CONSUMERS > 1:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
-        if CONSUMERS == 1:
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
 
         if CONSUMERS > 1:  # the other warp group's score product may still read the rows staged below
             mbarrier.arrive(bars.index(Q_FREE), count=1)
@@ -554,7 +597,7 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
 def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WG: gl.constexpr,
             CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr,
-            SNAKE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+            SNAKE: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """Consumer warp group ``WG`` of ``CONSUMERS``: its part of each work item (``_attend_item``), the
     items found from the program's loop index or, ``DYNAMIC``, handed over by the copy warp."""
     bars = smem[3]
@@ -572,7 +615,7 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
         while kind >= 0:
             ring, served = _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len,
                                         ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
-                                        WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
+                                        WARPS, WRITE_KV, ROW_LAYOUT, OVERLAP)  # fmt: skip
             if kind == 2:  # padding rows: the query barrier's turn came without a copy
                 if CONSUMERS > 1:  # and the output barrier's turn, whose phase follows the items handed over
                     mbarrier.arrive(bars.index(OUT_BAR), count=1)
@@ -597,7 +640,7 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
             )
             ring, served = _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len,
                                         ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
-                                        WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
+                                        WARPS, WRITE_KV, ROW_LAYOUT, OVERLAP)  # fmt: skip
     # every copy the copy warp issued has been waited for; with two warp groups the other may still arrive on a
     # stage's barrier after this one's last item, so the barriers stay as they are (the kernel ends with them)
     if CONSUMERS == 1:
@@ -639,6 +682,8 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
         raise ValueError(
             f"Gluon prefill tiles: block_m 64 or 128 (one or two warp groups of 64 rows), 4 warps, got {tile}"
         )
+    if tile["overlap"] and block_m != 64:
+        raise ValueError(f"Gluon prefill: overlap takes 64-row tiles (128: ptxas serializes the wgmmas), got {tile}")
     if not supports(kv_cache):
         raise ValueError(f"Gluon prefill needs contiguous cache halves and blocks of 8+ slots, got {kv_cache.shape}")
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
@@ -695,6 +740,8 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     )
     if snake:
         kwargs["SNAKE"] = True
+    if tile["overlap"]:
+        kwargs["OVERLAP"] = True
     if dynamic:
         kwargs["DYNAMIC"] = True
         kwargs["counter_ptr"] = counters

@@ -61,7 +61,7 @@ REQUIRES = "supports_tma"  # the Platform capability this module's kernel is bui
 MIN_AVERAGE_QUERY = 64
 # the Gluon kernel's GLUON_TILE entries that the op's config overrides as gluon_<key> (gluon_block sets both
 # block_m and block_n)
-GLUON_TILE_KEYS = ("persistent", "snake", "dynamic", "stages")
+GLUON_TILE_KEYS = ("persistent", "snake", "dynamic", "overlap", "stages")
 # Softmax weights grow up to 2**rescale_slack between rescales: an fp16 p (max 65504) leaves room.
 MAX_RESCALE_SLACK = 12
 
@@ -231,7 +231,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     op with the KV write) the Gluon kernel took 0.88x / 0.97x this kernel's time on Nanbeige's (GQA
     48/8) 8 x 1k / 1 x 8k prompts and 0.61x on its chunks after a cached prefix; on Ouro's (MHA 16)
     1.01x / 0.99x on the prompts, 0.72x on the chunks and 0.94x on a prompt with decode rows;
-    ``gluon_persistent``, ``gluon_snake``, ``gluon_dynamic``, ``gluon_block`` (its ``block_m`` =
+    ``gluon_persistent``, ``gluon_snake``, ``gluon_dynamic``, ``gluon_overlap``, ``gluon_block`` (its ``block_m`` =
     ``block_n``) and ``gluon_stages`` override its ``GLUON_TILE``.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
@@ -254,15 +254,15 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
 
 def uses_gluon_prefill(q: torch.Tensor, kv_cache: torch.Tensor, interpret: bool) -> bool:
     """Whether the Gluon kernel can take a prefill batch: a GPU with Hopper's ``wgmma``, a 16-bit ``q``
-    and cache, a head dim of 64-256 (the interpreter cannot run Gluon) and a cache it can read
-    (``prefill_gluon.supports``)."""
+    and cache, a head dim it compiles for (``prefill_gluon.HEAD_DIMS``; the interpreter cannot run Gluon)
+    and a cache it can read (``prefill_gluon.supports``)."""
     if interpret or q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
         return False
-    if q.shape[2] not in (64, 128, 256) or not _platform.current_platform().supports_wgmma:
+    if not _platform.current_platform().supports_wgmma:
         return False
-    from rlt_compile.kernels.prefill_gluon import supports
+    from rlt_compile.kernels.prefill_gluon import HEAD_DIMS, supports
 
-    return supports(kv_cache)
+    return q.shape[2] in HEAD_DIMS and supports(kv_cache)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
