@@ -56,7 +56,7 @@ if [[ $what == pending101 ]]; then
   # its GPU parity first
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_gluon.py -k "overlap or capture" \
     > "$OUT/overlap_tests.log" 2>&1; tail -2 "$OUT/overlap_tests.log"
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_overlap=1" \
+  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_overlap=1;gluon_overlap=2" \
     > "$OUT/prefill_overlap.md" 2>&1; echo "bench rc=$?"; cat "$OUT/prefill_overlap.md"
 fi
 if [[ $what == pending100 ]]; then
@@ -77,7 +77,7 @@ if [[ $what == pending96 ]]; then
   # order (the default since session 30, which timed it only in the op); session 31 added the overlapped key loop
   # (gluon_overlap) and the 128-row tiles on the dynamic order with 3 stages (229752 B of shared memory)
   timeout 150 python3 benchmarks/gluon_prefill_probe.py \
-    --tiles "64,64,3,4;64,64,3,4,overlap=1;64,64,3,4,persistent=0,dynamic=0;128,128,3,4,persistent=1" \
+    --tiles "64,64,3,4;64,64,3,4,overlap=1;64,64,3,4,overlap=2;64,64,3,4,persistent=0,dynamic=0;128,128,3,4,persistent=1" \
     > "$OUT/probe_dynamic.md" 2>&1
   echo "probe rc=$?"; cat "$OUT/probe_dynamic.md"
 fi

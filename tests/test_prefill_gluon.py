@@ -77,14 +77,15 @@ def test_compiles_for_sm90_without_spills(heads, dtype):
 
 def _exps_beside_pv(sass: str) -> list[int]:
     """For each run of the four PV ``wgmma``s in ``sass``: how many ``MUFU.EX2`` (the softmax's exponentials)
-    issue before the next ``wgmma`` wait, that is while the PV product may still run."""
-    ops = re.findall(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR|MUFU\.EX2)", sass)
+    issue before the next wait for every ``wgmma`` (``DEPBAR.LE gsb0, 0x0``), that is while the PV
+    product may still run."""
+    ops = re.findall(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR\.LE gsb0, 0x0|MUFU\.EX2)", sass)
     counts = []
     for i in range(len(ops) - 3):
         if ops[i : i + 4] == ["HGMMA.64x128x16"] * 4 and (i == 0 or ops[i - 1] != "HGMMA.64x128x16"):
             tail = ops[i + 4 :]
-            wait = tail.index("WARPGROUP.DEPBAR") if "WARPGROUP.DEPBAR" in tail else len(tail)
-            counts.append(tail[:wait].count("MUFU.EX2"))
+            waits = [k for k, op in enumerate(tail) if op.startswith("WARPGROUP")]
+            counts.append(tail[: waits[0] if waits else len(tail)].count("MUFU.EX2"))
     return counts
 
 
@@ -111,13 +112,14 @@ def test_op_sends_only_the_head_dims_it_compiles_for(monkeypatch, head_dim, dtyp
     assert prefill_tma.uses_gluon_prefill(q, cache, interpret=False) is False
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
+@pytest.mark.parametrize("overlap", [0, 1, 2])
 def test_overlap_runs_the_softmax_beside_the_pv_product(overlap):
     """ptxas moves the default loop's wait for the PV product above the softmax (the wait follows the
     exponentials in the PTX, precedes them in the SASS), so no exponential issues while a PV product
     runs. ``overlap`` issues each PV product after the next tile's score product and waits for it one
-    iteration later: the key loop's 32 exponentials (and the 2 of the rescale factor) then issue while
-    the PV product is in flight, and ptxas serializes no ``wgmma`` (C7512 / C7514). (Spills: none under
+    iteration later (1: S(j) waited for with it; 2: before S(j) is issued, the rescale then beside
+    S(j)): the key loop's 32 exponentials (and the 2 of the rescale factor) then issue while the PV
+    product is in flight, and ptxas serializes no ``wgmma`` (C7512 / C7514). (Spills: none under
     triton 3.6, the device's; later versions spill a few registers.)"""
     report = compile_sm90(48, 8, tile={"overlap": overlap})
     assert report.n_regs == 128, report
@@ -176,6 +178,7 @@ def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None):
         ({"block_m": 96, "block_n": 96}, "one or two warp groups"),
         ({"warps": 8}, "one or two warp groups"),
         ({"block_m": 128, "block_n": 128, "overlap": 1}, "overlap takes 64-row tiles"),
+        ({"overlap": 3}, "overlap is 0, 1 or 2"),
     ],
 )
 def test_tiles_are_square_and_one_or_two_warp_groups(tile, message):
@@ -338,7 +341,7 @@ def count_gluon_launches(monkeypatch) -> list[int]:
     ("persistent", "sms", "block", "snake"),
     [(0, None, 64, 0), (2, None, 64, 0), (3, 1, 64, 0), (2, None, 64, 1), (3, 1, 64, 1), (0, None, 128, 0),
      (3, 1, 128, 0), (3, 1, 128, 1), (2, None, 64, "dynamic"), (3, 1, 64, "dynamic"), (3, 1, 128, "dynamic"),
-     (0, None, 64, "overlap"), (3, 1, 64, "overlap")],
+     (0, None, 64, "overlap"), (3, 1, 64, "overlap"), (2, None, 64, "overlap2")],
 )  # fmt: skip
 def test_gluon_prefill_matches_reference(
     monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms, block, snake
@@ -350,8 +353,8 @@ def test_gluon_prefill_matches_reference(
     (64-row tiles, on the dynamic order)."""
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "snake", int(snake == 1))
-    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake in ("dynamic", "overlap")))
-    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "overlap", int(snake == "overlap"))
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake in ("dynamic", "overlap", "overlap2")))
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "overlap", {"overlap": 1, "overlap2": 2}.get(snake, 0))
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_m", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_n", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "stages", 3 if block == 64 else 2)

@@ -238,7 +238,7 @@ def _gluon_prefill_kernel(
     ROW_LAYOUT: gl.constexpr,
     SNAKE: gl.constexpr = False,
     DYNAMIC: gl.constexpr = False,
-    OVERLAP: gl.constexpr = False,
+    OVERLAP: gl.constexpr = 0,
     counter_ptr=None,
 ):
     dtype: gl.constexpr = q_desc.block_type.element_ty
@@ -503,9 +503,10 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
         if OVERLAP:
             # each tile's PV product is issued one iteration later, after the next tile's score product, with the
-            # accumulator rescaled just before it: the wait for the previous PV product then sits between the two
-            # issues, where ptxas cannot hoist it above the softmax (as it does in the loop below, whatever the
-            # source order: the softmax there runs after that wait, not beside the PV product)
+            # accumulator rescaled just before it: the wait for the previous PV product then sits before the PV
+            # issue, and the softmax after it runs beside the PV product (in the loop below, whatever the source
+            # order, ptxas hoists the PV product's wait above the softmax). 1: that wait also covers S(j); 2: it
+            # comes before S(j) is issued, so the rescale runs beside S(j)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             p_run = p_op  # the operand of the PV product in flight (none yet)
             acc = warpgroup_mma_init(acc)  # the loop carries the accumulator of the PV product in flight
@@ -515,16 +516,24 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
                 if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
                     mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
                     _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
-                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                # PV(j-2) and S(j) done; the PV operand's registers kept alive to here
-                acc_done, p_run, s = warpgroup_mma_wait(0, deps=(acc, p_run, s))
+                if OVERLAP == 1:
+                    mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+                    s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    # PV(j-2) and S(j) done; the PV operand's registers kept alive to here
+                    acc_done, p_run, s = warpgroup_mma_wait(0, deps=(acc, p_run, s))
+                else:  # 2: PV(j-2) done before S(j) is issued, so the rescale runs beside S(j)
+                    acc_done, p_run = warpgroup_mma_wait(0, deps=(acc, p_run))
                 if j > 1:  # tile j-2 consumed: its stage to the copy warp
                     mbarrier.arrive(bars.index(FREE + (ring + j - 2) % STAGES), count=1)
+                if OVERLAP == 2:
+                    mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+                    s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc_done = acc_done * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc_done, is_async=True)
                 p_run = p_op  # PV(j-1) runs during the softmax
+                if OVERLAP == 2:
+                    s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
                                               col_s)  # fmt: skip
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -682,6 +691,8 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
         raise ValueError(
             f"Gluon prefill tiles: block_m 64 or 128 (one or two warp groups of 64 rows), 4 warps, got {tile}"
         )
+    if tile["overlap"] not in (0, 1, 2):
+        raise ValueError(f"Gluon prefill: overlap is 0, 1 or 2, got {tile}")
     if tile["overlap"] and block_m != 64:
         raise ValueError(f"Gluon prefill: overlap takes 64-row tiles (128: ptxas serializes the wgmmas), got {tile}")
     if not supports(kv_cache):
@@ -741,7 +752,7 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     if snake:
         kwargs["SNAKE"] = True
     if tile["overlap"]:
-        kwargs["OVERLAP"] = True
+        kwargs["OVERLAP"] = int(tile["overlap"])
     if dynamic:
         kwargs["DYNAMIC"] = True
         kwargs["counter_ptr"] = counters
