@@ -12,6 +12,11 @@ waits for it and rescales the accumulator:
     softmax of S(j)                                     CUDA cores, while PV(j-1) runs
     wait PV(j-1); rescale acc
 
+That is the PTX's order; ptxas, though, moves the wait for PV(j-1) above the softmax (session 31:
+the SASS has no exponential between the PV issue and its wait), so in this loop the softmax runs
+only beside the other program's warp group. ``overlap`` (``GLUON_TILE``) rotates the loop so that
+the wait comes before the PV issue and the softmax after it (``_attend_item``).
+
 It serves a whole prefill batch, as ``prefill_tma_attention`` does: ``q`` ``[T, H, D]``, each
 sequence's cached prefix from the paged cache and its own keys ``k``/``v`` ``[T, Hkv, D]``, and it
 stores those own K/V rows in the cache (the first query head of each KV group). Work items are
