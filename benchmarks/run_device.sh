@@ -61,15 +61,17 @@ if [[ $what == pending101 ]]; then
 fi
 if [[ $what == pending100 ]]; then
   # session 31 (issue 3, ~3 min): Nsight Compute on the default Gluon kernel (dynamic order) in the op, 1 x 8k prompts:
-  # tensor-pipe activity, L2 and shared-memory throughput, warp stalls (what limits it against cuDNN)
-  for model in Nanbeige Ouro; do
-    timeout 150 ncu --kernel-name regex:_gluon_prefill_kernel --launch-skip 2 --launch-count 1 \
+  # tensor-pipe activity, L2 and shared-memory throughput, warp stalls (what limits it against cuDNN); Nanbeige again
+  # with gluon_overlap=2
+  for run in Nanbeige: Ouro: Nanbeige:gluon_overlap=2; do
+    model=${run%%:*}; cfg=${run#*:}; tag=$model${cfg:+_overlap}
+    RLT_ATTENTION_CONFIG=$cfg timeout 150 ncu --kernel-name regex:_gluon_prefill_kernel --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section InstructionStats --section Occupancy \
-      python3 benchmarks/attention_case.py --model $model --batch 1 --ctx 8192 --query 8192 > "$OUT/ncu_gluon_$model.txt" 2>&1
-    echo "== ncu $model rc=$?"
+      python3 benchmarks/attention_case.py --model $model --batch 1 --ctx 8192 --query 8192 > "$OUT/ncu_gluon_$tag.txt" 2>&1
+    echo "== ncu $tag rc=$?"
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|\
-Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Executed Instructions  " "$OUT/ncu_gluon_$model.txt" | head -12
+Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Executed Instructions  " "$OUT/ncu_gluon_$tag.txt" | head -12
   done
 fi
 if [[ $what == pending96 ]]; then
