@@ -445,6 +445,21 @@ def _zero_rows_past(tile, first, limit, BLOCK_N: gl.constexpr, layout: gl.conste
 
 
 @gluon.jit
+def _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N: gl.constexpr, ROW_LAYOUT: gl.constexpr):
+    """Key tile ``j``'s stage of the ring (and ``j - 1``'s, returned first); where tile ``j - 1`` is the prefix's
+    partial last tile, its value rows past the prefix zeroed first, before S(j) is issued (its accumulators
+    would leave the zeroing no registers)."""
+    STAGES: gl.constexpr = v_smem.shape[0]
+    V_BARS: gl.constexpr = K_BARS + STAGES
+    prev = stage
+    stage = (ring + j) % STAGES
+    if j - 1 == cut:
+        mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
+        _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
+    return prev, stage
+
+
+@gluon.jit
 def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len, ctx_len, m0,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_SIZE: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr,
@@ -516,11 +531,7 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
             p_run = p_op  # the operand of the PV product in flight (none yet)
             acc = warpgroup_mma_init(acc)  # the loop carries the accumulator of the PV product in flight
             for j in range(1, num_kv):
-                prev = stage
-                stage = (ring + j) % STAGES
-                if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
-                    mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                    _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
+                prev, stage = _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N, ROW_LAYOUT)
                 if OVERLAP == 1:
                     mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
                     s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -553,11 +564,7 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
             if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, num_kv):
-                prev = stage
-                stage = (ring + j) % STAGES
-                if j - 1 == cut:  # before S(j) is issued: its accumulators would leave the zeroing no registers
-                    mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                    _zero_rows_past(v_smem.index(prev), cut * BLOCK_N, ctx_len, BLOCK_N, ROW_LAYOUT)
+                prev, stage = _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N, ROW_LAYOUT)
                 mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
                 s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
