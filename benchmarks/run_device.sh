@@ -51,8 +51,8 @@ if [[ $what == final ]]; then
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
 if [[ $what == pending101 ]]; then
-  # session 31 (issue 3, ~3 min): the overlapped key loop (gluon_overlap=1: the softmax's exponentials issue while the
-  # PV product runs, which ptxas prevents in the default loop) in the op, against the default and gather + SDPA;
+  # session 31 (issue 3, ~3 min): the overlapped key loop (gluon_overlap=1 and 2: the softmax's exponentials issue while
+  # the PV product runs, which ptxas prevents in the default loop) in the op, against the default and gather + SDPA;
   # its GPU parity first
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_gluon.py -k "overlap or capture" \
     > "$OUT/overlap_tests.log" 2>&1; tail -2 "$OUT/overlap_tests.log"

@@ -532,18 +532,16 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
             acc = warpgroup_mma_init(acc)  # the loop carries the accumulator of the PV product in flight
             for j in range(1, num_kv):
                 prev, stage = _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N, ROW_LAYOUT)
-                if OVERLAP == 1:
-                    mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-                    s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    # PV(j-2) and S(j) done; the PV operand's registers kept alive to here
-                    acc_done, p_run, s = warpgroup_mma_wait(0, deps=(acc, p_run, s))
-                else:  # 2: PV(j-2) done before S(j) is issued, so the rescale runs beside S(j)
+                # PV(j-2) done (the PV operand's registers kept alive to here): 2, before S(j) is issued, so the
+                # rescale runs beside S(j); 1, with S(j)
+                if OVERLAP == 2:
                     acc_done, p_run = warpgroup_mma_wait(0, deps=(acc, p_run))
+                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if OVERLAP == 1:
+                    acc_done, p_run, s = warpgroup_mma_wait(0, deps=(acc, p_run, s))
                 if j > 1:  # tile j-2 consumed: its stage to the copy warp
                     mbarrier.arrive(bars.index(FREE + (ring + j - 2) % STAGES), count=1)
-                if OVERLAP == 2:
-                    mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-                    s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc_done = acc_done * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc_done, is_async=True)
