@@ -53,6 +53,18 @@ def parse_tile(text: str) -> dict | None:
     return tile
 
 
+def parse_cases(text: str) -> list[tuple] | None:
+    """``"8x1024,1x8192"`` -> those prompt shapes (batch x length) for Ouro and Nanbeige; ``None`` when malformed."""
+    shapes = []
+    for field in text.split(","):
+        batch, _, seq = field.strip().partition("x")
+        if not (batch.isdigit() and seq.isdigit()) or int(batch) < 1 or int(seq) < 1:
+            return None
+        shapes.append((int(batch), int(seq)))
+    models = [("Ouro", 16, 16), ("Nanbeige", 48, 8)]
+    return [(f"{name} {b} x {s}", b, s, heads, kv) for name, heads, kv in models for b, s in shapes]
+
+
 def run_gpu(cases, tiles: list[dict]) -> int:
     from rlt_compile.kernels.prefill_gluon import launch_gluon_prefill
 
@@ -114,14 +126,18 @@ def main(argv=None) -> int:
         default="64,64,3,4;64,64,3,4,persistent=2",
         help="configs 'block_m,block_n,stages,warps[,key=value...];...' (key=value: more GLUON_TILE options)",
     )
+    parser.add_argument("--cases", default="", help="prompt shapes 'BxS,...' for both models (default: 8x1024,1x8192)")
     args = parser.parse_args(argv)
+    cases = parse_cases(args.cases) if args.cases else CASES
+    if cases is None:
+        parser.error(f"--cases takes 'BxS,...' entries such as 8x1024, got {args.cases!r}")
     tiles = [parse_tile(t) for t in args.tiles.split(";") if t.strip()]
     if not all(tiles):
         parser.error(f"--tiles takes block_m,block_n,stages,warps[,key=value...] entries, got {args.tiles!r}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("error: needs a Hopper GPU (the offline compile: tests/test_prefill_gluon.py)", file=sys.stderr)
         return 2
-    return run_gpu(CASES, tiles)
+    return run_gpu(cases, tiles)
 
 
 if __name__ == "__main__":

@@ -50,21 +50,21 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending101 ]]; then
-  # session 31 (issue 3, ~3 min): the overlapped key loop (gluon_overlap=1 and 2: the softmax's exponentials issue while
-  # the PV product runs, which ptxas prevents in the default loop) in the op, against the default and gather + SDPA;
-  # its GPU parity first
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_gluon.py -k "overlap or capture" \
-    > "$OUT/overlap_tests.log" 2>&1; tail -2 "$OUT/overlap_tests.log"
-  timeout 200 python3 benchmarks/prefill_tma_bench.py --default-tile-only --extra "gluon_overlap=1;gluon_overlap=2" \
-    > "$OUT/prefill_overlap.md" 2>&1; echo "bench rc=$?"; cat "$OUT/prefill_overlap.md"
+if [[ $what == pending102 ]]; then
+  # session 32 (issue 3, ~3 min): the long-prompt tile (128-row tiles, 3 stages, a program per SM for queries
+  # averaging 4096 tokens or more) as the op's default: its GPU parity with the rest of the Gluon and TMA tests,
+  # then the op on its default tiles against gather + SDPA
+  timeout 200 python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
+    > "$OUT/gluon_tests.log" 2>&1; echo "tests rc=$?"; tail -2 "$OUT/gluon_tests.log"
+  grep -E "^(FAILED|ERROR)" "$OUT/gluon_tests.log" | head
+  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only > "$OUT/op_default.md" 2>&1
+  echo "op rc=$?"; grep -A20 "^| model" "$OUT/op_default.md" | head -12
 fi
 if [[ $what == pending100 ]]; then
-  # session 31 (issue 3, ~3 min): Nsight Compute on the default Gluon kernel (dynamic order) in the op, 1 x 8k prompts:
-  # tensor-pipe activity, L2 and shared-memory throughput, warp stalls (what limits it against cuDNN); Nanbeige again
-  # with gluon_overlap=2
-  for run in Nanbeige: Ouro: Nanbeige:gluon_overlap=2; do
-    model=${run%%:*}; cfg=${run#*:}; tag=$model${cfg:+_overlap}
+  # session 32 (issue 3, ~3 min): Nsight Compute on the Gluon kernel in the op, 1 x 8k prompts, on the long-prompt
+  # tile (the default there) and on the 64-row tile: tensor-pipe activity, L2 and shared-memory throughput, stalls
+  for run in Nanbeige: Ouro: Nanbeige:gluon_block=64; do
+    model=${run%%:*}; cfg=${run#*:}; tag=$model${cfg:+_64}
     RLT_ATTENTION_CONFIG=$cfg timeout 150 ncu --kernel-name regex:_gluon_prefill_kernel --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section InstructionStats --section Occupancy \
@@ -73,15 +73,6 @@ if [[ $what == pending100 ]]; then
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|\
 Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Executed Instructions  " "$OUT/ncu_gluon_$tag.txt" | head -12
   done
-fi
-if [[ $what == pending96 ]]; then
-  # session 30 (issue 3, ~1 min): the Gluon kernel alone against SDPA (cuDNN), one program per item and the dynamic
-  # order (the default since session 30, which timed it only in the op); session 31 added the overlapped key loop
-  # (gluon_overlap) and the 128-row tiles on the dynamic order with 3 stages (229752 B of shared memory)
-  timeout 150 python3 benchmarks/gluon_prefill_probe.py \
-    --tiles "64,64,3,4;64,64,3,4,overlap=1;64,64,3,4,overlap=2;64,64,3,4,persistent=0,dynamic=0;128,128,3,4,persistent=1" \
-    > "$OUT/probe_dynamic.md" 2>&1
-  echo "probe rc=$?"; cat "$OUT/probe_dynamic.md"
 fi
 if [[ $what == pending98 ]]; then
   # session 30 (issues 3, 4; ~3 min): prefill steps of the real models captured in graphs, on the Gluon kernel

@@ -75,20 +75,6 @@ def test_compiles_for_sm90_without_spills(heads, dtype):
         assert any(ops[i : i + len(loop)] == loop for i in range(len(ops))), ops
 
 
-def _exps_beside_pv(sass: str) -> list[int]:
-    """For each run of the four PV ``wgmma``s in ``sass``: how many ``MUFU.EX2`` (the softmax's exponentials)
-    issue before the next wait for every ``wgmma`` (``DEPBAR.LE gsb0, 0x0``), that is while the PV
-    product may still run."""
-    ops = re.findall(r"\s(HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR\.LE gsb0, 0x0|MUFU\.EX2)", sass)
-    counts = []
-    for i in range(len(ops) - 3):
-        if ops[i : i + 4] == ["HGMMA.64x128x16"] * 4 and (i == 0 or ops[i - 1] != "HGMMA.64x128x16"):
-            tail = ops[i + 4 :]
-            waits = [k for k, op in enumerate(tail) if op.startswith("WARPGROUP")]
-            counts.append(tail[: waits[0] if waits else len(tail)].count("MUFU.EX2"))
-    return counts
-
-
 @pytest.mark.parametrize("head_dim", prefill_gluon.HEAD_DIMS)
 def test_compiles_for_each_head_dim_it_takes(head_dim):
     """Every head dim the op sends to the kernel compiles for sm_90 at 128 registers, two programs per SM."""
@@ -110,23 +96,6 @@ def test_op_sends_only_the_head_dims_it_compiles_for(monkeypatch, head_dim, dtyp
     assert prefill_tma.uses_gluon_prefill(q, cache, interpret=False) is expected
     monkeypatch.setattr(prefill_tma._platform, "current_platform", lambda: Platform.mock("cuda", capability=(8, 0)))
     assert prefill_tma.uses_gluon_prefill(q, cache, interpret=False) is False
-
-
-@pytest.mark.parametrize("overlap", [0, 1, 2])
-def test_overlap_runs_the_softmax_beside_the_pv_product(overlap):
-    """ptxas moves the default loop's wait for the PV product above the softmax (the wait follows the
-    exponentials in the PTX, precedes them in the SASS), so no exponential issues while a PV product
-    runs. ``overlap`` issues each PV product after the next tile's score product and waits for it one
-    iteration later (1: S(j) waited for with it; 2: before S(j) is issued, the rescale then beside
-    S(j)): the key loop's 32 exponentials (and the 2 of the rescale factor) then issue while the PV
-    product is in flight, and ptxas serializes no ``wgmma`` (C7512 / C7514). (Spills: none under
-    triton 3.6, the device's; later versions spill a few registers.)"""
-    report = compile_sm90(48, 8, tile={"overlap": overlap})
-    assert report.n_regs == 128, report
-    assert not any(code in w for w in report.extra["ptxas_perf_warnings"] for code in ("C7512", "C7514"))
-    if "sass" in report.extra:
-        beside = _exps_beside_pv(report.extra["sass"])
-        assert max(beside) == (34 if overlap else 0), beside
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -158,14 +127,14 @@ def test_dynamic_order_compiles_for_sm90_without_spills(block):
         assert report.shared + 1024 <= 228 * 1024, report.shared
 
 
-def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None):
-    """``gluon_prefill_launch`` for one sequence of ``tokens`` on meta tensors (head dim 64; by default a
-    cache of 8 blocks of 16 slots)."""
+def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None, head_dim: int = 64):
+    """``gluon_prefill_launch`` for one sequence of ``tokens`` on meta tensors (by default head dim 64
+    and a cache of 8 blocks of 16 slots)."""
     meta = torch.device("meta")
-    q = torch.empty(tokens, heads, 64, dtype=torch.bfloat16, device=meta)
-    k = torch.empty(tokens, kv_heads, 64, dtype=torch.bfloat16, device=meta)
+    q = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16, device=meta)
+    k = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16, device=meta)
     if cache is None:
-        cache = torch.empty(2, 8, 16, kv_heads, 64, dtype=torch.bfloat16, device=meta)
+        cache = torch.empty(2, 8, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=meta)
     lens = torch.empty(1, dtype=torch.int32, device=meta)
     tables = torch.empty(1, 4, dtype=torch.int32, device=meta)
     return prefill_gluon.gluon_prefill_launch(q, k, k, cache, tables, lens, lens, q, 0.1, tile=tile)
@@ -177,13 +146,43 @@ def meta_launch(tokens: int, heads: int, kv_heads: int, cache=None, tile=None):
         ({"block_m": 128}, "block_m must equal block_n"),  # the KV write and the output use the last key tile
         ({"block_m": 96, "block_n": 96}, "one or two warp groups"),
         ({"warps": 8}, "one or two warp groups"),
-        ({"block_m": 128, "block_n": 128, "overlap": 1}, "overlap takes 64-row tiles"),
-        ({"overlap": 3}, "overlap is 0, 1 or 2"),
     ],
 )
 def test_tiles_are_square_and_one_or_two_warp_groups(tile, message):
     with pytest.raises(ValueError, match=message):
         meta_launch(64, 4, 2, tile=tile)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "seqs", "head_dim", "overrides", "expected"),
+    [
+        (4096, 1, 128, None, (128, 3, 1)),  # an average query of LONG_PROMPT_TOKENS: the long-prompt tile
+        (16384, 2, 128, None, (128, 3, 1)),
+        (4095, 1, 128, None, (64, 3, 2)),  # just below it: GLUON_TILE
+        (8191, 2, 128, None, (64, 3, 2)),
+        (8192, 1, 64, None, (64, 3, 2)),  # head dim 64: not timed with it
+        (8192, 1, 128, {"block_m": 64, "block_n": 64}, (64, 3, 2)),  # a tile size named: GLUON_TILE under it
+        (8192, 1, 128, {"stages": 2}, (128, 2, 1)),  # other overrides go over the long-prompt tile
+    ],
+)
+def test_long_prompts_take_the_long_prompt_tile(tokens, seqs, head_dim, overrides, expected):
+    """Batches whose queries average ``LONG_PROMPT_TOKENS`` or more take ``LONG_PROMPT_TILE`` (128-row
+    tiles, three stages, one program per SM) unless a tile size is given; the rest keeps ``GLUON_TILE``."""
+    tile = prefill_gluon.launch_tile(overrides, tokens, seqs, head_dim)
+    assert (tile["block_m"], tile["stages"], tile["persistent"]) == expected
+    assert tile["block_n"] == tile["block_m"] and tile["dynamic"] == prefill_gluon.GLUON_TILE["dynamic"]
+
+
+def test_a_long_prompt_launches_one_two_warp_group_program_per_sm(monkeypatch):
+    """The launch of one 4096-token prompt (head dim 128): 128-row tiles, three stages, a program per SM
+    on the dynamic order."""
+    monkeypatch.setattr(prefill_gluon, "sm_count", lambda device: 132)
+    cache = torch.empty(2, 8, 16, 2, 128, dtype=torch.bfloat16, device="meta")
+    _, grid, _, kwargs = meta_launch(4096, 16, 2, cache=cache, head_dim=128)
+    assert (kwargs["BLOCK_M"], kwargs["STAGES"], kwargs["CONSUMERS"], kwargs["maxnreg"]) == (128, 3, 2, 168)
+    assert grid == (132,) and kwargs["DYNAMIC"]
+    _, grid, _, kwargs = meta_launch(4095, 16, 2, cache=cache, head_dim=128)
+    assert (kwargs["BLOCK_M"], kwargs["STAGES"], grid) == (64, 3, (264,))
 
 
 @pytest.mark.parametrize(("persistent", "sms", "programs"), [(0, 132, 12), (2, 132, 12), (2, 3, 6), (1, 1, 1)])
@@ -340,8 +339,7 @@ def count_gluon_launches(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(
     ("persistent", "sms", "block", "snake"),
     [(0, None, 64, 0), (2, None, 64, 0), (3, 1, 64, 0), (2, None, 64, 1), (3, 1, 64, 1), (0, None, 128, 0),
-     (3, 1, 128, 0), (3, 1, 128, 1), (2, None, 64, "dynamic"), (3, 1, 64, "dynamic"), (3, 1, 128, "dynamic"),
-     (0, None, 64, "overlap"), (3, 1, 64, "overlap"), (3, 1, 64, "overlap2")],
+     (3, 1, 128, 0), (3, 1, 128, 1), (2, None, 64, "dynamic"), (3, 1, 64, "dynamic"), (3, 1, 128, "dynamic")],
 )  # fmt: skip
 def test_gluon_prefill_matches_reference(
     monkeypatch, heads, query_lens, context_lens, dtype, persistent, sms, block, snake
@@ -349,12 +347,10 @@ def test_gluon_prefill_matches_reference(
     """One program per work item, ``persistent`` programs per SM, and three programs in all (``sms`` 1),
     each then serving dozens of items through the same ring of stages and query buffer, in stride or
     snake order or taking them from the counter (``dynamic``, whose counters must be back at zero after
-    each launch); 64-row tiles (one consumer warp group) and 128-row tiles (two); the ``overlap`` key loop
-    (64-row tiles, on the dynamic order)."""
+    each launch); 64-row tiles (one consumer warp group) and 128-row tiles (two)."""
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "persistent", persistent)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "snake", int(snake == 1))
-    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake in ("dynamic", "overlap", "overlap2")))
-    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "overlap", {"overlap": 1, "overlap2": 2}.get(snake, 0))
+    monkeypatch.setitem(prefill_gluon.GLUON_TILE, "dynamic", int(snake == "dynamic"))
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_m", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "block_n", block)
     monkeypatch.setitem(prefill_gluon.GLUON_TILE, "stages", 3 if block == 64 else 2)
@@ -367,7 +363,7 @@ def test_gluon_prefill_matches_reference(
     check_attention(case, None, config=GLUON, fused=True)
     assert launches == [1]
     # the counters back at zero, and a second launch from them as right as the first
-    if snake == "dynamic" or (snake in ("overlap", "overlap2") and persistent):
+    if snake == "dynamic":
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
         check_attention(case, None, config=GLUON, fused=True)
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
@@ -400,6 +396,30 @@ def test_first_launch_inside_a_cuda_graph_capture(monkeypatch):
     eager = attention_forward(q, k, v, cache, md.slot_mapping, *meta, config=GLUON)
     assert [c.tolist() for c in prefill_gluon._COUNTERS.values()] == [[0, 0]]
     torch.testing.assert_close(eager.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 16), (48, 8)])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([4500, 3800], [0, 300]), ([4300, 4000], [0, 2001])],  # prompts, a chunk after a prefix off the blocks
+)
+def test_long_prompts_match_reference_on_the_long_prompt_tile(monkeypatch, heads, query_lens, context_lens):
+    """Queries averaging ``LONG_PROMPT_TOKENS`` or more, through the op on its default tile: the launch
+    takes the long-prompt tile and matches the reference, the KV write included."""
+    tiles = []
+    launch = prefill_gluon.gluon_prefill_launch
+
+    def spy(*args, **kwargs):
+        kernel, grid, launch_args, launch_kwargs = launch(*args, **kwargs)
+        tiles.append((launch_kwargs["BLOCK_M"], launch_kwargs["STAGES"]))
+        return kernel, grid, launch_args, launch_kwargs
+
+    monkeypatch.setattr(prefill_gluon, "gluon_prefill_launch", spy)
+    case = make_case(query_lens, context_lens, *heads, 128, 16, torch.bfloat16, device="cuda", seed=len(query_lens))
+    check_attention(case, None, config=GLUON, fused=True)
+    assert tiles == [(128, 3)]
 
 
 @hopper

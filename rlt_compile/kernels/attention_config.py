@@ -286,7 +286,6 @@ CONFIG_KEYS = frozenset(
         "gluon_persistent",
         "gluon_snake",
         "gluon_dynamic",
-        "gluon_overlap",
         "gluon_block",
         "gluon_stages",
         "split_grain",

@@ -13,9 +13,9 @@ waits for it and rescales the accumulator:
     wait PV(j-1); rescale acc
 
 That is the PTX's order; ptxas, though, moves the wait for PV(j-1) above the softmax (session 31:
-the SASS has no exponential between the PV issue and its wait), so in this loop the softmax runs
-only beside the other program's warp group. ``overlap`` (``GLUON_TILE``) rotates the loop so that
-the wait comes before the PV issue and the softmax after it (``_attend_item``).
+the SASS has no exponential between the PV issue and its wait), so the softmax runs only beside the
+other warp group's tensor-core work. A loop rotated so that the wait came before the PV issue kept 34
+exponentials beside it in the SASS, but was 1-16% slower in the op (H100, session 32), and was removed.
 
 It serves a whole prefill batch, as ``prefill_tma_attention`` does: ``q`` ``[T, H, D]``, each
 sequence's cached prefix from the paged cache and its own keys ``k``/``v`` ``[T, Hkv, D]``, and it
@@ -55,7 +55,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -63,7 +62,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from rlt_compile.kernels.attention_common import LOG2E
 from rlt_compile.kernels.launch import sm_count
 
-__all__ = ["GLUON_TILE", "HEAD_DIMS", "gluon_prefill_launch", "launch_gluon_prefill", "supports"]
+__all__ = [
+    "GLUON_TILE",
+    "HEAD_DIMS",
+    "LONG_PROMPT_TILE",
+    "LONG_PROMPT_TOKENS",
+    "launch_tile",
+    "gluon_prefill_launch",
+    "launch_gluon_prefill",
+    "supports",
+]
 REQUIRES = "supports_wgmma"  # the Platform capability this module's kernel is built for (kernels/aot.py)
 
 # triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; later versions async_load
@@ -88,8 +96,17 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # program per item on the prompts and chunks of both models, 1.02x / 0.96x on Ouro's / Nanbeige's prompt with
 # 31 decode rows (H100, session 30)
 GLUON_TILE = {
-    "block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1, "overlap": 0,
+    "block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1,
 }  # fmt: skip
+
+# Batches whose queries average LONG_PROMPT_TOKENS or more (head dim 128) take LONG_PROMPT_TILE over GLUON_TILE:
+# 128-row tiles (two consumer warp groups), three stages (229752 B of shared memory) and one program per SM. H100,
+# session 32, the kernel alone on fresh prompts of Ouro (16 heads) and Nanbeige (48/8): 0.82-0.96x the default's time
+# at 2 x 4096 to 1 x 16384; at 2048-token prompts 0.96-1.08x (no clear winner), at 1k and 512 1.06-1.21x. In the op,
+# 1 x 8k: 0.85x (Ouro) and 0.84x (Nanbeige); a prompt with 31 decode rows beside it 1.09-1.71x (its average query
+# is far below the threshold).
+LONG_PROMPT_TOKENS = 4096
+LONG_PROMPT_TILE = {"block_m": 128, "block_n": 128, "stages": 3, "persistent": 1}
 
 # head dims the kernel compiles for on sm_90: at 256 ptxas runs out of registers (it asks for 158 at launch, where
 # two programs per SM allow 128)
@@ -243,7 +260,6 @@ def _gluon_prefill_kernel(
     ROW_LAYOUT: gl.constexpr,
     SNAKE: gl.constexpr = False,
     DYNAMIC: gl.constexpr = False,
-    OVERLAP: gl.constexpr = 0,
     counter_ptr=None,
 ):
     dtype: gl.constexpr = q_desc.block_type.element_ty
@@ -270,7 +286,7 @@ def _gluon_prefill_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC, OVERLAP)),
+                        0, 1, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
              (_copy_warp, (descs, smem, ptrs, sizes, counter_ptr, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
                            BOX_ROWS, SNAKE, DYNAMIC))],
             [1],
@@ -279,9 +295,9 @@ def _gluon_prefill_kernel(
     else:  # two warp groups share each key tile, the query tile's upper and lower rows
         gl.warp_specialize(
             [(_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC, OVERLAP)),
+                        0, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
              (_attend, (descs, smem, ptrs, sizes, scale_log2, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, BOX_ROWS,
-                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC, OVERLAP)),
+                        1, 2, WARPS, WRITE_KV, ROW_LAYOUT, SNAKE, DYNAMIC)),
              (_copy_warp, (descs, smem, ptrs, sizes, counter_ptr, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE,
                            BOX_ROWS, SNAKE, DYNAMIC))],
             [WARPS, 1],
@@ -463,7 +479,7 @@ def _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N: gl.constexp
 def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len, ctx_len, m0,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_SIZE: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr,
-                 WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
+                 WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr):  # fmt: skip
     """Warp group ``WG``'s part of one work item (``_find_item``'s fields): the key loop of its rows of the
     query tile (prefix tiles, then own rows'), then its output rows and (the first query head of a KV
     group) its K/V rows in the cache; a padding item's rows get zeros. Returns the ring's and the query
@@ -521,68 +537,30 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
         s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, 0, num_pre, ctx_len, r0, scale_log2, BLOCK_N, col_s)
-        if OVERLAP:
-            # each tile's PV product is issued one iteration later, after the next tile's score product, with the
-            # accumulator rescaled just before it: the wait for the previous PV product then sits before the PV
-            # issue, and the softmax after it runs beside the PV product (in the loop below, whatever the source
-            # order, ptxas hoists the PV product's wait above the softmax). 1: that wait also covers S(j); 2: it
-            # comes before S(j) is issued, so the rescale runs beside S(j)
+        if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            p_run = p_op  # the operand of the PV product in flight (none yet)
-            acc = warpgroup_mma_init(acc)  # the loop carries the accumulator of the PV product in flight
-            for j in range(1, num_kv):
-                prev, stage = _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N, ROW_LAYOUT)
-                # PV(j-2) done (the PV operand's registers kept alive to here): 2, before S(j) is issued, so the
-                # rescale runs beside S(j); 1, with S(j)
-                if OVERLAP == 2:
-                    acc_done, p_run = warpgroup_mma_wait(0, deps=(acc, p_run))
-                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if OVERLAP == 1:
-                    acc_done, p_run, s = warpgroup_mma_wait(0, deps=(acc, p_run, s))
-                if j > 1:  # tile j-2 consumed: its stage to the copy warp
-                    mbarrier.arrive(bars.index(FREE + (ring + j - 2) % STAGES), count=1)
-                acc_done = acc_done * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc_done, is_async=True)
-                p_run = p_op  # PV(j-1) runs during the softmax
-                if OVERLAP == 2:
-                    s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
-                                              col_s)  # fmt: skip
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc, p_run = warpgroup_mma_wait(0, deps=(acc, p_run))
-            if num_kv > 1:
-                mbarrier.arrive(bars.index(FREE + (ring + num_kv - 2) % STAGES), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        else:
-            if CONSUMERS > 1:  # the weights cross iterations as the 16-bit PV operand: half fp32's registers
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, num_kv):
-                prev, stage = _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N, ROW_LAYOUT)
-                mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
-                s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
-                if CONSUMERS == 1:
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
-                                              col_s)  # fmt: skip
-                # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
-                if CONSUMERS > 1:
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
+        for j in range(1, num_kv):
+            prev, stage = _next_stage(bars, v_smem, stage, ring, j, cut, ctx_len, BLOCK_N, ROW_LAYOUT)
+            mbarrier.wait(bars.index(K_BARS + stage), ((ring + j) // STAGES) & 1)
+            s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(bars.index(V_BARS + prev), ((ring + j - 1) // STAGES) & 1)
             if CONSUMERS == 1:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))  # S(j) done; PV(j-1) still runs during the softmax
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, j, num_pre, ctx_len, r0, scale_log2, BLOCK_N,
+                                          col_s)  # fmt: skip
+            # P(j-1) sits in registers the PV product reads until it completes: kept alive to here
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.arrive(bars.index(FREE + prev), count=1)  # tile j-1 consumed: its stage to the copy warp
+            if CONSUMERS > 1:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(bars.index(V_BARS + stage), ((ring + num_kv - 1) // STAGES) & 1)
+        if CONSUMERS == 1:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
 
         if CONSUMERS > 1:  # the other warp group's score product may still read the rows staged below
             mbarrier.arrive(bars.index(Q_FREE), count=1)
@@ -616,7 +594,7 @@ def _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_star
 def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, WG: gl.constexpr,
             CONSUMERS: gl.constexpr, WARPS: gl.constexpr, WRITE_KV: gl.constexpr, ROW_LAYOUT: gl.constexpr,
-            SNAKE: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
+            SNAKE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
     """Consumer warp group ``WG`` of ``CONSUMERS``: its part of each work item (``_attend_item``), the
     items found from the program's loop index or, ``DYNAMIC``, handed over by the copy warp."""
     bars = smem[3]
@@ -634,7 +612,7 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
         while kind >= 0:
             ring, served = _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len,
                                         ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
-                                        WARPS, WRITE_KV, ROW_LAYOUT, OVERLAP)  # fmt: skip
+                                        WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
             if kind == 2:  # padding rows: the query barrier's turn came without a copy
                 if CONSUMERS > 1:  # and the output barrier's turn, whose phase follows the items handed over
                     mbarrier.arrive(bars.index(OUT_BAR), count=1)
@@ -659,7 +637,7 @@ def _attend(descs, smem, ptrs, sizes, scale_log2, GROUP: gl.constexpr, HEAD_DIM:
             )
             ring, served = _attend_item(smem, ptrs, sizes, scale_log2, ring, served, kind, head, q_start, q_len,
                                         ctx_len, m0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, WG, CONSUMERS,
-                                        WARPS, WRITE_KV, ROW_LAYOUT, OVERLAP)  # fmt: skip
+                                        WARPS, WRITE_KV, ROW_LAYOUT)  # fmt: skip
     # every copy the copy warp issued has been waited for; with two warp groups the other may still arrive on a
     # stage's barrier after this one's last item, so the barriers stay as they are (the kernel ends with them)
     if CONSUMERS == 1:
@@ -686,13 +664,24 @@ def supports(kv_cache: torch.Tensor) -> bool:
     )
 
 
+def launch_tile(overrides: dict | None, num_tokens: int, num_seqs: int, head_dim: int) -> dict:
+    """The tile of a launch: ``GLUON_TILE``, with ``LONG_PROMPT_TILE`` over it for long prompts (unless
+    ``overrides`` names a tile size), then ``overrides``."""
+    overrides = overrides or {}
+    tile = dict(GLUON_TILE)
+    long_prompts = head_dim == 128 and num_tokens >= LONG_PROMPT_TOKENS * max(num_seqs, 1)
+    if long_prompts and "block_m" not in overrides and "block_n" not in overrides:
+        tile |= LONG_PROMPT_TILE
+    return tile | overrides
+
+
 def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, out, scale: float,
                          slot_mapping=None, tile=None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of the Gluon launch for ``q [T, H, D]``, ``k``/``v [T, Hkv, D]``
     (TMA-ready: unit stride over the head dim, heads packed), the paged ``kv_cache`` ``[2, blocks,
     block_size, Hkv, D]`` (``supports``) and ``out [T, H, D]``; also what offline compiles bind."""
-    tile = {**GLUON_TILE, **(tile or {})}
     num_tokens, num_heads, head_dim = q.shape
+    tile = launch_tile(tile, num_tokens, seq_lens.shape[0], head_dim)
     num_kv_heads = k.shape[1]
     block_m, block_n, warps = tile["block_m"], tile["block_n"], tile["warps"]
     if block_m != block_n:
@@ -701,10 +690,6 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
         raise ValueError(
             f"Gluon prefill tiles: block_m 64 or 128 (one or two warp groups of 64 rows), 4 warps, got {tile}"
         )
-    if tile["overlap"] not in (0, 1, 2):
-        raise ValueError(f"Gluon prefill: overlap is 0, 1 or 2, got {tile}")
-    if tile["overlap"] and block_m != 64:
-        raise ValueError(f"Gluon prefill: overlap takes 64-row tiles (128: ptxas serializes the wgmmas), got {tile}")
     if not supports(kv_cache):
         raise ValueError(f"Gluon prefill needs contiguous cache halves and blocks of 8+ slots, got {kv_cache.shape}")
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
@@ -761,8 +746,6 @@ def gluon_prefill_launch(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     )
     if snake:
         kwargs["SNAKE"] = True
-    if tile["overlap"]:
-        kwargs["OVERLAP"] = int(tile["overlap"])
     if dynamic:
         kwargs["DYNAMIC"] = True
         kwargs["counter_ptr"] = counters

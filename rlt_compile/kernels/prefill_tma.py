@@ -61,7 +61,7 @@ REQUIRES = "supports_tma"  # the Platform capability this module's kernel is bui
 MIN_AVERAGE_QUERY = 64
 # the Gluon kernel's GLUON_TILE entries that the op's config overrides as gluon_<key> (gluon_block sets both
 # block_m and block_n)
-GLUON_TILE_KEYS = ("persistent", "snake", "dynamic", "overlap", "stages")
+GLUON_TILE_KEYS = ("persistent", "snake", "dynamic", "stages")
 # Softmax weights grow up to 2**rescale_slack between rescales: an fp16 p (max 65504) leaves room.
 MAX_RESCALE_SLACK = 12
 
@@ -231,7 +231,7 @@ def prefill_tma_config(interpret: bool, dtype: torch.dtype, config: dict) -> dic
     op with the KV write) the Gluon kernel took 0.88x / 0.97x this kernel's time on Nanbeige's (GQA
     48/8) 8 x 1k / 1 x 8k prompts and 0.61x on its chunks after a cached prefix; on Ouro's (MHA 16)
     1.01x / 0.99x on the prompts, 0.72x on the chunks and 0.94x on a prompt with decode rows;
-    ``gluon_persistent``, ``gluon_snake``, ``gluon_dynamic``, ``gluon_overlap``, ``gluon_block`` (its ``block_m`` =
+    ``gluon_persistent``, ``gluon_snake``, ``gluon_dynamic``, ``gluon_block`` (its ``block_m`` =
     ``block_n``) and ``gluon_stages`` override its ``GLUON_TILE``.
     On the H200 (``benchmarks/prefill_tma_bench.py`` and session 12's probe, docs/benchmarks.md)
     64 x 64 tiles with 4 warps and 3 stages were the fastest on every fresh causal case of the op
