@@ -39,7 +39,9 @@ docs/benchmarks.md): with one program per item 0.88x / 0.97x the TMA kernel's ti
 (GQA 48/8) 8 x 1k / 1 x 8k prompts and 0.61x on its chunks after a cached prefix, 0.99-1.01x on
 Ouro's (MHA 16) prompts and 0.72x on its chunks; the dynamic order then took 0.82x / 0.95x / 0.97x
 of that time on Nanbeige's prompts and chunks, 0.86x / 0.95x / 0.88x on Ouro's. Against gather +
-SDPA (cuDNN) that is 1.26x / 0.99x on Ouro's prompts, 1.01x / 0.93x on Nanbeige's.
+SDPA (cuDNN) that is 1.26x / 0.99x on Ouro's prompts, 1.01x / 0.93x on Nanbeige's. Long prompts (queries
+averaging ``LONG_PROMPT_TOKENS``) take 128-row tiles (``LONG_PROMPT_TILE``, session 32): 1 x 8k then
+1.17x / 1.07x gather + SDPA's speed on Ouro / Nanbeige.
 Gluon runs on the GPU only (Triton's interpreter cannot run it); it is tested on the device and
 compiled offline for sm_90 in the CPU suite. 16-bit only, head dims of 64 and 128 (``HEAD_DIMS``), a
 contiguous cache with blocks of at least 8 slots (``supports``).
