@@ -50,6 +50,14 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending103 ]]; then
+  # session 32 (issue 3, ~3 min): the long-prompt tile's GPU parity in the op, then the attention table on the new
+  # default (prefill 1 x 8k now on 128-row tiles) against SDPA and gather + SDPA
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_gluon.py -k "long" \
+    > "$OUT/long_tests.log" 2>&1; echo "tests rc=$?"; tail -2 "$OUT/long_tests.log"
+  timeout 170 python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1
+  echo "attention rc=$?"; cat "$OUT/attention.md" 2>/dev/null || tail -5 "$OUT/attention.log"
+fi
 if [[ $what == pending102 ]]; then
   # session 32 (issue 3, ~3 min): the long-prompt tile (128-row tiles, 3 stages, a program per SM for queries
   # averaging 4096 tokens or more) as the op's default: its GPU parity with the rest of the Gluon and TMA tests,
