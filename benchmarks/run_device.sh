@@ -58,16 +58,6 @@ if [[ $what == pending103 ]]; then
   timeout 170 python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1
   echo "attention rc=$?"; cat "$OUT/attention.md" 2>/dev/null || tail -5 "$OUT/attention.log"
 fi
-if [[ $what == pending102 ]]; then
-  # session 32 (issue 3, ~3 min): the long-prompt tile (128-row tiles, 3 stages, a program per SM for queries
-  # averaging 4096 tokens or more) as the op's default: its GPU parity with the rest of the Gluon and TMA tests,
-  # then the op on its default tiles against gather + SDPA
-  timeout 200 python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider tests/test_prefill_gluon.py tests/test_prefill_tma.py \
-    > "$OUT/gluon_tests.log" 2>&1; echo "tests rc=$?"; tail -2 "$OUT/gluon_tests.log"
-  grep -E "^(FAILED|ERROR)" "$OUT/gluon_tests.log" | head
-  timeout 150 python3 benchmarks/prefill_tma_bench.py --default-tile-only > "$OUT/op_default.md" 2>&1
-  echo "op rc=$?"; grep -A20 "^| model" "$OUT/op_default.md" | head -12
-fi
 if [[ $what == pending100 ]]; then
   # session 32 (issue 3, ~3 min): Nsight Compute on the Gluon kernel in the op, 1 x 8k prompts, on the long-prompt
   # tile (the default there) and on the 64-row tile: tensor-pipe activity, L2 and shared-memory throughput, stalls

@@ -362,8 +362,7 @@ def test_gluon_prefill_matches_reference(
     )
     check_attention(case, None, config=GLUON, fused=True)
     assert launches == [1]
-    # the counters back at zero, and a second launch from them as right as the first
-    if snake == "dynamic":
+    if snake == "dynamic":  # the counters back at zero, and a second launch from them as right as the first
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]
         check_attention(case, None, config=GLUON, fused=True)
         assert [c.tolist() for c in prefill_gluon._COUNTERS.values() if c.is_cuda] == [[0, 0]]

@@ -15,7 +15,8 @@ waits for it and rescales the accumulator:
 That is the PTX's order; ptxas, though, moves the wait for PV(j-1) above the softmax (session 31:
 the SASS has no exponential between the PV issue and its wait), so the softmax runs only beside the
 other warp group's tensor-core work. A loop rotated so that the wait came before the PV issue kept 34
-exponentials beside it in the SASS, but was 1-16% slower in the op (H100, session 32), and was removed.
+exponentials beside it in the SASS, but in the op it was 3-16% slower on six of eight cases and within 1%
+on the other two (H100, session 32), so it was removed.
 
 It serves a whole prefill batch, as ``prefill_tma_attention`` does: ``q`` ``[T, H, D]``, each
 sequence's cached prefix from the paged cache and its own keys ``k``/``v`` ``[T, Hkv, D]``, and it
@@ -97,9 +98,7 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # their order (greedy: the next free program takes the next item), the default: 0.82-0.97x the time of one
 # program per item on the prompts and chunks of both models, 1.02x / 0.96x on Ouro's / Nanbeige's prompt with
 # 31 decode rows (H100, session 30)
-GLUON_TILE = {
-    "block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1,
-}  # fmt: skip
+GLUON_TILE = {"block_m": 64, "block_n": 64, "stages": 3, "warps": 4, "persistent": 2, "snake": 0, "dynamic": 1}
 
 # Batches whose queries average LONG_PROMPT_TOKENS or more (head dim 128) take LONG_PROMPT_TILE over GLUON_TILE:
 # 128-row tiles (two consumer warp groups), three stages (229752 B of shared memory) and one program per SM. H100,
