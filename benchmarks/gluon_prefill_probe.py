@@ -28,14 +28,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention_bench import bench  # noqa: E402  (the attention table's timer)
+from attention_bench import MODELS, bench  # noqa: E402  (the attention table's models and timer)
 
-CASES = [
-    ("Ouro 8 x 1k", 8, 1024, 16, 16),
-    ("Ouro 1 x 8k", 1, 8192, 16, 16),
-    ("Nanbeige 8 x 1k", 8, 1024, 48, 8),
-    ("Nanbeige 1 x 8k", 1, 8192, 48, 8),
-]
+
+def model_cases(shapes: list[tuple[int, int]]) -> list[tuple]:
+    """(label, batch, length, heads, kv heads) of each prompt shape for each of the attention table's models."""
+    return [
+        (f"{name.split()[0]} {b} x {f'{s // 1024}k' if s % 1024 == 0 else s}", b, s, heads, kv_heads)
+        for name, (heads, kv_heads, _) in MODELS.items()
+        for b, s in shapes
+    ]
+
+
+CASES = model_cases([(8, 1024), (1, 8192)])
 
 
 def parse_tile(text: str) -> dict | None:
@@ -61,8 +66,7 @@ def parse_cases(text: str) -> list[tuple] | None:
         if not (batch.isdigit() and seq.isdigit()) or int(batch) < 1 or int(seq) < 1:
             return None
         shapes.append((int(batch), int(seq)))
-    models = [("Ouro", 16, 16), ("Nanbeige", 48, 8)]
-    return [(f"{name} {b} x {s}", b, s, heads, kv) for name, heads, kv in models for b, s in shapes]
+    return model_cases(shapes)
 
 
 def run_gpu(cases, tiles: list[dict]) -> int:
