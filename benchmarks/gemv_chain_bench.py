@@ -100,6 +100,15 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
     three set by ``main``). ``rope`` (``RopeColumns``): q and k rotated in the q/k/v GEMV's epilogue,
     as the compiled model runs (cuBLAS: the reference rotation after ``F.linear``)."""
     variant = variant or {}
+    staged = variant.get("staged") or {}  # GEMV name -> gemv_staged config: those GEMVs staged in shared memory
+
+    def gemv(name, a, w):
+        if name in staged:
+            from rlt_compile.kernels.gemv_staged import linear_staged
+
+            return linear_staged(a, w, staged[name])
+        return linear(a, w)
+
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
@@ -112,7 +121,7 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
         no_norms = variant.get("no_norms")  # what any norm fusion could win at most (wrong outputs)
         residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
         if rope is None:
-            qkv = linear(n, p["qkv"])
+            qkv = gemv("qkv", n, p["qkv"])
         elif linear is F.linear:
             qkv = gemv_mod.rope_columns_reference(F.linear(n, p["qkv"]), rope)
         else:
@@ -123,13 +132,13 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             a = q
         else:
             a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
-        o = linear(a.reshape(1, heads * dim), p["o"])
+        o = gemv("o", a.reshape(1, heads * dim), p["o"])
         residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
-            h = linear(gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True), p["down"])
+            h = gemv("down", gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True), p["down"])
             continue
-        gu = linear(n, p["gu"])
-        h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
+        gu = gemv("gu", n, p["gu"])
+        h = fold(gu, p["down"]) if fold else gemv("down", silu_mul(gu), p["down"])
     return h
 
 
@@ -159,6 +168,32 @@ def variant_candidates():
     for attention in ATTENTION_VARIANTS:
         name = " ".join(f"{key}={value}" for key, value in attention.items())
         yield f"swiglu epilogue, attention {name}", {"variant": {"swiglu": True, "attention": attention}}
+    yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
+    yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
+
+
+def staged_candidates():
+    """GEMVs whose weights TMA stages in shared memory before the PDL wait (``kernels/gemv_staged``)
+    against the default chain, each with the gate as its own kernel (as "gemv default"), and the
+    bounds."""
+    yield "cublas", None
+    yield "gemv default", {}
+    yield "swiglu epilogue", {"variant": {"swiglu": True}}
+    for label, staged in (
+        ("gu", {"gu": None}),
+        ("gu 24 stages", {"gu": {"stages": 24}}),
+        ("gu 32x128 tiles", {"gu": {"block_n": 32}}),
+        ("gu 16x256 tiles", {"gu": {"block_k": 256}}),
+        ("gu 2 per SM", {"gu": {"programs_per_sm": 2}}),
+        ("gu 8 warps", {"gu": {"warps": 8}}),
+        ("gu + qkv", {"gu": None, "qkv": None}),
+        ("qkv", {"qkv": None}),
+        ("o", {"o": None}),
+        ("down", {"down": None}),
+        ("all four", {"gu": None, "qkv": None, "o": None, "down": None}),
+    ):
+        yield f"staged {label}", {"variant": {"staged": staged}}
+    yield "swiglu epilogue, staged qkv", {"variant": {"swiglu": True, "staged": {"qkv": None}}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 
@@ -269,6 +304,9 @@ def main(argv=None) -> int:
         help="one change each to the default chain: SwiGLU epilogue, norm warps, attention tiles",
     )
     parser.add_argument(
+        "--staged", action="store_true", help="GEMVs with TMA-staged weights (staged_candidates) against the default"
+    )
+    parser.add_argument(
         "--table", type=int, default=0, help="positions the block table describes (default: context + 80, as bench)"
     )
     parser.add_argument(
@@ -297,6 +335,8 @@ def main(argv=None) -> int:
     rows = []
     if args.variants:
         sweep = variant_candidates()
+    elif args.staged:
+        sweep = staged_candidates()
     elif args.shape_sweep:
         sweep = shape_candidates(hidden, inter)
     else:
