@@ -186,11 +186,15 @@ def staged_candidates():
         ("gu 16x256 tiles", {"gu": {"block_k": 256}}),
         ("gu 2 per SM", {"gu": {"programs_per_sm": 2}}),
         ("gu 8 warps", {"gu": {"warps": 8}}),
+        ("gu, copy warp", {"gu": {"ws": 1}}),
+        ("gu, copy warp, 16x256 tiles", {"gu": {"ws": 1, "block_k": 256}}),
+        ("gu, copy warp, 2 per SM", {"gu": {"ws": 1, "programs_per_sm": 2}}),
         ("gu + qkv", {"gu": None, "qkv": None}),
         ("qkv", {"qkv": None}),
         ("o", {"o": None}),
         ("down", {"down": None}),
         ("all four", {"gu": None, "qkv": None, "o": None, "down": None}),
+        ("all four, copy warp", {name: {"ws": 1} for name in ("gu", "qkv", "o", "down")}),
     ):
         yield f"staged {label}", {"variant": {"staged": staged}}
     yield "swiglu epilogue, staged qkv", {"variant": {"swiglu": True, "staged": {"qkv": None}}}

@@ -34,9 +34,9 @@ def compile_sm90(n: int, k: int, config=None) -> aot.KernelReport:
     return aot.compile_specialisation(aot._bind(records[0], target), "cuda", "sm_90", target=target, sass=True)
 
 
-@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 5632)])
-def test_compiles_for_sm90(n, k):
-    report = compile_sm90(n, k)
+@pytest.mark.parametrize("n,k,config", [(2048, 2048, None), (2048, 5632, None), (11264, 2048, {"ws": 1})])
+def test_compiles_for_sm90(n, k, config):
+    report = compile_sm90(n, k, config)
     assert report.ok, report.error
     assert report.n_spills == 0
     assert report.shared <= 227 * 1024
@@ -78,7 +78,8 @@ def test_matches_linear(n, k, dtype):
 @pytest.mark.parametrize(
     "config",
     [{"stages": 2}, {"stages": 7}, {"block_n": 32}, {"block_k": 256}, {"block_n": 8, "block_k": 64},
-     {"programs_per_sm": 2}, {"programs_per_sm": 3, "warps": 8}],
+     {"programs_per_sm": 2}, {"programs_per_sm": 3, "warps": 8}, {"ws": 1}, {"ws": 1, "stages": 3},
+     {"ws": 1, "block_k": 256, "programs_per_sm": 2}],
 )  # fmt: skip
 def test_options_match_linear(config):
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -89,7 +90,8 @@ def test_options_match_linear(config):
 
 @pytest.mark.gpu
 @hopper
-def test_chain_through_pdl_and_graph_replays():
+@pytest.mark.parametrize("config", [None, {"ws": 1}])
+def test_chain_through_pdl_and_graph_replays(config):
     g = torch.Generator(device="cuda").manual_seed(2)
     w1 = torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 2048**-0.5
     w2 = torch.randn(2048, 5632, device="cuda", dtype=torch.bfloat16, generator=g) * 5632**-0.5
@@ -98,7 +100,7 @@ def test_chain_through_pdl_and_graph_replays():
     def chain():
         h = x
         for _ in range(4):
-            h = gemv_staged.linear_staged(gemv_staged.linear_staged(h, w1), w2)
+            h = gemv_staged.linear_staged(gemv_staged.linear_staged(h, w1, config), w2, config)
         return h
 
     want = x.float()

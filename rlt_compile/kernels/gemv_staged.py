@@ -35,7 +35,7 @@ _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinter
 
 # block_n x block_k: one TMA tile (4 KiB in bf16); stages: the ring's tiles (48 x 4 KiB = 192 KiB, one program per
 # SM); programs_per_sm: how many programs share an SM (the ring shrinks to fit); warps: per program
-STAGED_TILE = {"block_n": 16, "block_k": 128, "stages": 48, "programs_per_sm": 1, "warps": 4}
+STAGED_TILE = {"block_n": 16, "block_k": 128, "stages": 48, "programs_per_sm": 1, "warps": 4, "ws": 0}
 _SMEM_BUDGET = 200 * 1024  # per SM, for the rings of its programs (sm_90: 227 KiB per block at most)
 
 
@@ -72,6 +72,8 @@ def _staged_gemv_kernel(
     n_rb = gl.minimum(rb_per_program, num_rb - rb0)
     n0 = rb0 * BLOCK_N
     tiles = n_rb * KB
+    if USE_PDL:
+        _gdc_launch_dependents()
 
     ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -82,23 +84,10 @@ def _staged_gemv_kernel(
     for s in gl.static_range(STAGES):
         _issue(w_desc, bars, ring, s, n0, KB, BLOCK_N, BLOCK_K, STAGES, s < tiles)
     if USE_PDL:
-        _gdc_launch_dependents()
         _gdc_wait()
 
-    # x once, into shared memory as [KB_PAD, BLOCK_K] (key block kb is row kb)
-    offs_xb = gl.arange(0, KB_PAD, layout=gl.SliceLayout(1, x_layout))
-    offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
-    x_offs = offs_xb[:, None] * BLOCK_K + offs_xk[None, :]
-    x_all = gl.load(x_ptr + x_offs, mask=x_offs < K, other=0.0)
-    x_smem = gl.allocate_shared_memory(x_all.dtype, [KB_PAD, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    x_smem.store(x_all)
-    # the same bytes (row-major, unswizzled) with a rank-1 layout, so that .index(kb) gives key block kb
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    if _PUBLIC_REINTERPRET:
-        x_rows = x_smem.reinterpret(x_all.dtype, [KB_PAD, BLOCK_K], row_layout)
-    else:
-        x_rows = x_smem._reinterpret(x_all.dtype, [KB_PAD, BLOCK_K], row_layout)
-    _barrier()
+    x_smem = gl.allocate_shared_memory(w_desc.dtype, [KB_PAD, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_rows = _x_rows(x_ptr, x_smem, K, KB_PAD, BLOCK_K, x_layout)
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
@@ -118,6 +107,90 @@ def _staged_gemv_kernel(
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
+def _x_rows(x_ptr, x_smem, K: gl.constexpr, KB_PAD: gl.constexpr, BLOCK_K: gl.constexpr, x_layout: gl.constexpr):
+    """``x`` ``[K]`` into ``x_smem`` as ``[KB_PAD, BLOCK_K]`` (key block kb is row kb); returns the same
+    bytes (row-major, unswizzled) with a rank-1 layout, so that ``.index(kb)`` gives key block kb."""
+    offs_xb = gl.arange(0, KB_PAD, layout=gl.SliceLayout(1, x_layout))
+    offs_xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    x_offs = offs_xb[:, None] * BLOCK_K + offs_xk[None, :]
+    x_smem.store(gl.load(x_ptr + x_offs, mask=x_offs < K, other=0.0))
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if _PUBLIC_REINTERPRET:
+        x_rows = x_smem.reinterpret(x_smem.dtype, [KB_PAD, BLOCK_K], row_layout)
+    else:
+        x_rows = x_smem._reinterpret(x_smem.dtype, [KB_PAD, BLOCK_K], row_layout)
+    _barrier()
+    return x_rows
+
+
+@gluon.jit
+def _ws_consume(ring, bars, x_smem, x_ptr, y_ptr, N, n0, n_rb, K: gl.constexpr, KB: gl.constexpr,
+                KB_PAD: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                USE_PDL: gl.constexpr, layout: gl.constexpr, x_layout: gl.constexpr):  # fmt: skip
+    """The consumer warps: after the PDL wait, ``x`` into shared memory, then each tile as it lands
+    (barrier ``stage``), freeing its stage (barrier ``STAGES + stage``) for the copy warp."""
+    if USE_PDL:
+        _gdc_wait()
+    x_rows = _x_rows(x_ptr, x_smem, K, KB_PAD, BLOCK_K, x_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    col_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    for rb in range(n_rb):
+        acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+        for kb in range(KB):
+            t = rb * KB + kb
+            stage = t % STAGES
+            mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
+            w = ring.index(stage).load(layout).to(gl.float32)
+            xk = x_rows.index(kb).load(col_layout).to(gl.float32)
+            acc += w * xk[None, :]
+            _barrier()  # every consumer warp has read the stage before the one thread's arrive
+            mbarrier.arrive(bars.index(STAGES + stage))
+        rows = n0 + rb * BLOCK_N + offs_n
+        gl.store(y_ptr + rows, gl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@gluon.jit
+def _ws_copy(w_desc, ring, bars, n0, tiles, KB: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
+    """The copy warp: every weight tile in order, each into its stage once the consumers freed it (the
+    first round's waits pass at once), with no PDL wait: the weights never depend on the previous kernel."""
+    for t in range(tiles):
+        stage = t % STAGES
+        mbarrier.wait(bars.index(STAGES + stage), ((t // STAGES) & 1) ^ 1)
+        _issue(w_desc, bars, ring, t, n0, KB, BLOCK_N, BLOCK_K, STAGES, True)
+
+
+@gluon.jit
+def _staged_gemv_ws_kernel(
+    w_desc, x_ptr, y_ptr, N, rb_per_program,
+    K: gl.constexpr, KB: gl.constexpr, KB_PAD: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr, USE_PDL: gl.constexpr, layout: gl.constexpr, x_layout: gl.constexpr,
+):  # fmt: skip
+    """``_staged_gemv_kernel`` with the copies in a warp of their own (``gl.warp_specialize``): no CTA
+    barrier around each TMA issue in the consumers' loop."""
+    pid = gl.program_id(0)
+    num_rb = gl.cdiv(N, BLOCK_N)
+    rb0 = pid * rb_per_program
+    n_rb = gl.minimum(rb_per_program, num_rb - rb0)
+    n0 = rb0 * BLOCK_N
+    ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    x_smem = gl.allocate_shared_memory(w_desc.dtype, [KB_PAD, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for s in gl.static_range(2 * STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()
+    if USE_PDL:
+        _gdc_launch_dependents()
+    gl.warp_specialize(
+        [(_ws_consume, (ring, bars, x_smem, x_ptr, y_ptr, N, n0, n_rb, K, KB, KB_PAD, BLOCK_N, BLOCK_K, STAGES,
+                        USE_PDL, layout, x_layout)),
+         (_ws_copy, (w_desc, ring, bars, n0, n_rb * KB, KB, BLOCK_N, BLOCK_K, STAGES))],
+        [1],
+        [24],
+    )  # fmt: skip
 
 
 def supports_staged(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -181,7 +254,8 @@ def linear_staged(
     w_desc = TensorDescriptor(weight, [n, k], [k, 1], [block_n, block_k], smem_layout)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     layout, x_layout = _layouts(block_n, block_k, kb_pad, plan["warps"])
-    _staged_gemv_kernel[(plan["grid"],)](
+    kernel = _staged_gemv_ws_kernel if plan["ws"] else _staged_gemv_kernel
+    kernel[(plan["grid"],)](
         w_desc, x, y, n, plan["rb_per_program"],
         K=k, KB=plan["kb"], KB_PAD=kb_pad, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=plan["stages"],
         USE_PDL=pdl, layout=layout, x_layout=x_layout, num_warps=plan["warps"], **pdl_launch_options(pdl),
