@@ -106,17 +106,17 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
         if name in staged:
             from rlt_compile.kernels.gemv_staged import linear_staged
 
-            return linear_staged(a, w, staged[name])
+            return linear_staged(a.contiguous(), w, staged[name])
         return linear(a, w)
 
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
         if gemv_only:
-            qkv = linear(h, p["qkv"])
-            o = linear(qkv[:, : heads * dim], p["o"])
-            gu = linear(o, p["gu"])
-            h = linear(gu[:, : p["down"].shape[1]], p["down"])
+            qkv = gemv("qkv", h, p["qkv"])
+            o = gemv("o", qkv[:, : heads * dim], p["o"])
+            gu = gemv("gu", o, p["gu"])
+            h = gemv("down", gu[:, : p["down"].shape[1]], p["down"])
             continue
         no_norms = variant.get("no_norms")  # what any norm fusion could win at most (wrong outputs)
         residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
@@ -179,25 +179,27 @@ def staged_candidates():
     yield "cublas", None
     yield "gemv default", {}
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
+    ws = {"ws": 1}
     for label, staged in (
-        ("gu", {"gu": None}),
-        ("gu 24 stages", {"gu": {"stages": 24}}),
-        ("gu 32x128 tiles", {"gu": {"block_n": 32}}),
-        ("gu 16x256 tiles", {"gu": {"block_k": 256}}),
         ("gu 2 per SM", {"gu": {"programs_per_sm": 2}}),
-        ("gu 8 warps", {"gu": {"warps": 8}}),
-        ("gu, copy warp", {"gu": {"ws": 1}}),
-        ("gu, copy warp, 16x256 tiles", {"gu": {"ws": 1, "block_k": 256}}),
-        ("gu, copy warp, 2 per SM", {"gu": {"ws": 1, "programs_per_sm": 2}}),
-        ("gu + qkv", {"gu": None, "qkv": None}),
-        ("qkv", {"qkv": None}),
-        ("o", {"o": None}),
-        ("down", {"down": None}),
-        ("all four", {"gu": None, "qkv": None, "o": None, "down": None}),
-        ("all four, copy warp", {name: {"ws": 1} for name in ("gu", "qkv", "o", "down")}),
+        ("gu, copy warp, 16x256 tiles", {"gu": {**ws, "block_k": 256}}),
+        ("gu, copy warp, 16x256 tiles, 2 per SM", {"gu": {**ws, "block_k": 256, "programs_per_sm": 2}}),
+        ("gu, copy warp, 32x256 tiles", {"gu": {**ws, "block_k": 256, "block_n": 32}}),
+        ("o, copy warp", {"o": ws}),
+        ("o, copy warp, 16x256 tiles", {"o": {**ws, "block_k": 256}}),
+        (
+            "o + gu, copy warp, 16x256 tiles, gu 16 stages",
+            {"o": {**ws, "block_k": 256}, "gu": {**ws, "block_k": 256, "stages": 16}},
+        ),
+        (
+            "o + gu 2 per SM, copy warp, 16x256 tiles, gu 8 stages",
+            {"o": {**ws, "block_k": 256}, "gu": {**ws, "block_k": 256, "stages": 8, "programs_per_sm": 2}},
+        ),
+        ("down, copy warp, 16x256 tiles", {"down": {**ws, "block_k": 256}}),
+        ("qkv, copy warp, 16x256 tiles", {"qkv": {**ws, "block_k": 256}}),
+        ("all four, copy warp, 16x256 tiles", {name: {**ws, "block_k": 256} for name in ("gu", "qkv", "o", "down")}),
     ):
         yield f"staged {label}", {"variant": {"staged": staged}}
-    yield "swiglu epilogue, staged qkv", {"variant": {"swiglu": True, "staged": {"qkv": None}}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 

@@ -50,16 +50,20 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending104 ]]; then
-  # session 34 (issue 4, ~3 min): GEMVs whose weights TMA stages in shared memory before the PDL wait: GPU parity,
-  # then the Ouro-1.4B decode chain with them against the default (and the bounds), twice
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_staged.py > "$OUT/staged_tests.log" 2>&1
-  echo "tests rc=$?"; tail -2 "$OUT/staged_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/staged_tests.log" | head
-  for round in 1 2; do
-    timeout 150 python3 benchmarks/gemv_chain_bench.py --staged --reps 20 --out "$OUT/staged_chain_$round.md" \
-      > "$OUT/staged_chain_$round.log" 2>&1
-    echo "chain $round rc=$?"; cat "$OUT/staged_chain_$round.md" 2>/dev/null || tail -5 "$OUT/staged_chain_$round.log"
-  done
+if [[ $what == pending105 ]]; then
+  # session 34 (issue 4, ~4 min): the staged GEMVs' second round (copy warp, 8 KiB tiles, o and gate/up together),
+  # in the decode chain and in a chain of GEMVs alone (streaming only), then the four models with "compiled"
+  # (no graphs) timed too
+  timeout 100 python3 benchmarks/gemv_chain_bench.py --staged --reps 20 --out "$OUT/staged_chain.md" \
+    > "$OUT/staged_chain.log" 2>&1
+  echo "chain rc=$?"; cat "$OUT/staged_chain.md" 2>/dev/null || tail -5 "$OUT/staged_chain.log"
+  timeout 60 python3 benchmarks/gemv_chain_bench.py --staged --gemv-only --reps 20 \
+    --only "=gemv default,=staged all four, copy warp, 16x256 tiles,=staged gu, copy warp, 16x256 tiles" \
+    --out "$OUT/staged_gemv_only.md" > "$OUT/staged_gemv_only.log" 2>&1
+  echo "gemv-only rc=$?"; cat "$OUT/staged_gemv_only.md" 2>/dev/null || tail -5 "$OUT/staged_gemv_only.log"
+  timeout 300 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 2 --out "$OUT/decode_all.md" \
+    > "$OUT/decode_all.log" 2>&1
+  echo "bench rc=$?"; cat "$OUT/decode_all.md" 2>/dev/null || tail -5 "$OUT/decode_all.log"
 fi
 if [[ $what == pending103 ]]; then
   # session 32 (issue 3, ~3 min): the long-prompt tile's GPU parity in the op, then the attention table on the new
