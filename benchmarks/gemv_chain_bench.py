@@ -135,7 +135,13 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
         o = gemv("o", a.reshape(1, heads * dim), p["o"])
         residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
-            h = gemv("down", gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True), p["down"])
+            if "gu" in staged:
+                from rlt_compile.kernels.gemv_staged import linear_staged
+
+                gated = linear_staged(n, p["gu"], staged["gu"], swiglu=True)
+            else:
+                gated = gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True)
+            h = gemv("down", gated, p["down"])
             continue
         gu = gemv("gu", n, p["gu"])
         h = fold(gu, p["down"]) if fold else gemv("down", silu_mul(gu), p["down"])
@@ -173,33 +179,32 @@ def variant_candidates():
 
 
 def staged_candidates():
-    """GEMVs whose weights TMA stages in shared memory before the PDL wait (``kernels/gemv_staged``)
-    against the default chain, each with the gate as its own kernel (as "gemv default"), and the
-    bounds."""
+    """GEMVs whose weights TMA stages in shared memory from their first instruction
+    (``kernels/gemv_staged``, a copy warp, 8 KiB tiles) against the default chain: the gate/up GEMV
+    with the SwiGLU epilogue as the compiled model runs it, and with the gate as its own kernel (as
+    "gemv default"), and the bounds."""
     yield "cublas", None
     yield "gemv default", {}
     yield "swiglu epilogue", {"variant": {"swiglu": True}}
-    ws = {"ws": 1}
+    model = {"swiglu": True, "rope": True}  # the epilogues the compiled model runs
+    yield "model epilogues", {"variant": model}
     for label, staged in (
+        ("gu", {"gu": None}),
+        ("gu 8 warps", {"gu": {"warps": 8}}),
+        ("gu 32-row blocks", {"gu": {"block_n": 32}}),
+        ("gu 8-row blocks", {"gu": {"block_n": 8}}),
         ("gu 2 per SM", {"gu": {"programs_per_sm": 2}}),
-        ("gu, copy warp, 16x256 tiles", {"gu": {**ws, "block_k": 256}}),
-        ("gu, copy warp, 16x256 tiles, 2 per SM", {"gu": {**ws, "block_k": 256, "programs_per_sm": 2}}),
-        ("gu, copy warp, 32x256 tiles", {"gu": {**ws, "block_k": 256, "block_n": 32}}),
-        ("o, copy warp", {"o": ws}),
-        ("o, copy warp, 16x256 tiles", {"o": {**ws, "block_k": 256}}),
-        (
-            "o + gu, copy warp, 16x256 tiles, gu 16 stages",
-            {"o": {**ws, "block_k": 256}, "gu": {**ws, "block_k": 256, "stages": 16}},
-        ),
-        (
-            "o + gu 2 per SM, copy warp, 16x256 tiles, gu 8 stages",
-            {"o": {**ws, "block_k": 256}, "gu": {**ws, "block_k": 256, "stages": 8, "programs_per_sm": 2}},
-        ),
-        ("down, copy warp, 16x256 tiles", {"down": {**ws, "block_k": 256}}),
-        ("qkv, copy warp, 16x256 tiles", {"qkv": {**ws, "block_k": 256}}),
-        ("all four, copy warp, 16x256 tiles", {name: {**ws, "block_k": 256} for name in ("gu", "qkv", "o", "down")}),
+        ("gu 8-row blocks, 2 per SM", {"gu": {"block_n": 8, "programs_per_sm": 2}}),
     ):
-        yield f"staged {label}", {"variant": {"staged": staged}}
+        yield f"swiglu epilogue, staged {label}", {"variant": {"swiglu": True, "staged": staged}}
+    yield "model epilogues, staged gu", {"variant": {**model, "staged": {"gu": None}}}
+    yield "model epilogues, staged gu 8 warps", {"variant": {**model, "staged": {"gu": {"warps": 8}}}}
+    yield "staged gu, gate apart", {"variant": {"staged": {"gu": None}}}
+    yield (
+        "staged gu, gate apart, 32x256 tiles (session 34's pending105 best)",
+        {"variant": {"staged": {"gu": {"block_n": 32}}}},
+    )
+    yield "staged down", {"variant": {"staged": {"down": None}}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 

@@ -50,20 +50,17 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending105 ]]; then
-  # session 34 (issue 4, ~4 min): the staged GEMVs' second round (copy warp, 8 KiB tiles, o and gate/up together),
-  # in the decode chain and in a chain of GEMVs alone (streaming only), then the four models with "compiled"
-  # (no graphs) timed too
+if [[ $what == pending106 ]]; then
+  # session 34 (issue 4, ~4 min): the staged GEMV with a copy warp, 8 KiB tiles and the SwiGLU epilogue: GPU parity,
+  # the decode chain, then Ouro end to end with the gate/up GEMV staged (RLT_GEMV_CONFIG=staged=1 on its shape)
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_staged.py > "$OUT/staged_tests.log" 2>&1
+  echo "tests rc=$?"; tail -2 "$OUT/staged_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/staged_tests.log" | head
   timeout 100 python3 benchmarks/gemv_chain_bench.py --staged --reps 20 --out "$OUT/staged_chain.md" \
     > "$OUT/staged_chain.log" 2>&1
   echo "chain rc=$?"; cat "$OUT/staged_chain.md" 2>/dev/null || tail -5 "$OUT/staged_chain.log"
-  timeout 60 python3 benchmarks/gemv_chain_bench.py --staged --gemv-only --reps 20 \
-    --only "=gemv default,=staged all four, copy warp, 16x256 tiles,=staged gu, copy warp, 16x256 tiles" \
-    --out "$OUT/staged_gemv_only.md" > "$OUT/staged_gemv_only.log" 2>&1
-  echo "gemv-only rc=$?"; cat "$OUT/staged_gemv_only.md" 2>/dev/null || tail -5 "$OUT/staged_gemv_only.log"
-  timeout 300 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 2 --out "$OUT/decode_all.md" \
-    > "$OUT/decode_all.log" 2>&1
-  echo "bench rc=$?"; cat "$OUT/decode_all.md" 2>/dev/null || tail -5 "$OUT/decode_all.log"
+  timeout 240 python3 -m rlt_compile.bench --model ouro-1.4b,ouro-2.6b --eager-steps 0 --compiled-steps 0 \
+    --variant "RLT_GEMV_CONFIG=staged=1,only_n=11264,only_k=2048" --out "$OUT/decode_staged.md" > "$OUT/decode_staged.log" 2>&1
+  echo "bench rc=$?"; cat "$OUT/decode_staged.md" 2>/dev/null || tail -5 "$OUT/decode_staged.log"
 fi
 if [[ $what == pending103 ]]; then
   # session 32 (issue 3, ~3 min): the long-prompt tile's GPU parity in the op, then the attention table on the new
