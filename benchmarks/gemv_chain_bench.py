@@ -197,6 +197,14 @@ def staged_candidates():
         ("gu 8-row blocks, 2 per SM", {"gu": {"block_n": 8, "programs_per_sm": 2}}),
     ):
         yield f"swiglu epilogue, staged {label}", {"variant": {"swiglu": True, "staged": staged}}
+    # o staged too, so that the o GEMV's Triton programs (all its weights in registers) leave the SMs' registers to
+    # the gate/up programs; the gate/up ring shrinks so that both fit in an SM's shared memory
+    gu_beside_o = {"stages": 16}
+    for label, o in (("o", None), ("o 2 per SM", {"programs_per_sm": 2}), ("o 8 warps", {"warps": 8})):
+        yield (
+            f"swiglu epilogue, staged {label} + gu",
+            {"variant": {"swiglu": True, "staged": {"o": o, "gu": gu_beside_o}}},
+        )
     yield "model epilogues, staged gu", {"variant": {**model, "staged": {"gu": None}}}
     yield "model epilogues, staged gu 8 warps", {"variant": {**model, "staged": {"gu": {"warps": 8}}}}
     yield "staged gu, gate apart", {"variant": {"staged": {"gu": None}}}
