@@ -180,7 +180,7 @@ def variant_candidates():
 
 def staged_candidates():
     """GEMVs whose weights TMA stages in shared memory from their first instruction
-    (``kernels/gemv_staged``, a copy warp, 8 KiB tiles) against the default chain: the gate/up GEMV
+    (``kernels/gemv_staged``: a copy warp, tiles of 4-16 KiB, balanced ranges) against the default chain: the gate/up GEMV
     with the SwiGLU epilogue as the compiled model runs it, and with the gate as its own kernel (as
     "gemv default"), and the bounds."""
     yield "cublas", None
@@ -190,29 +190,19 @@ def staged_candidates():
     yield "model epilogues", {"variant": model}
     for label, staged in (
         ("gu", {"gu": None}),
+        ("gu whole blocks", {"gu": {"balanced": 0}}),
+        ("gu 16-row tiles", {"gu": {"block_n": 16}}),
         ("gu 8 warps", {"gu": {"warps": 8}}),
-        ("gu 32-row blocks", {"gu": {"block_n": 32}}),
-        ("gu 8-row blocks", {"gu": {"block_n": 8}}),
         ("gu 2 per SM", {"gu": {"programs_per_sm": 2}}),
-        ("gu 8-row blocks, 2 per SM", {"gu": {"block_n": 8, "programs_per_sm": 2}}),
+        ("o + gu", {"o": None, "gu": {"stages": 8}}),  # 8 x 16 KiB: both rings fit an SM's shared memory
+        ("o 2 per SM + gu", {"o": {"programs_per_sm": 2}, "gu": {"stages": 8}}),
+        ("gu + down", {"gu": None, "down": None}),
+        ("down", {"down": None}),
     ):
         yield f"swiglu epilogue, staged {label}", {"variant": {"swiglu": True, "staged": staged}}
-    # o staged too, so that the o GEMV's Triton programs (all its weights in registers) leave the SMs' registers to
-    # the gate/up programs; the gate/up ring shrinks so that both fit in an SM's shared memory
-    gu_beside_o = {"stages": 16}
-    for label, o in (("o", None), ("o 2 per SM", {"programs_per_sm": 2}), ("o 8 warps", {"warps": 8})):
-        yield (
-            f"swiglu epilogue, staged {label} + gu",
-            {"variant": {"swiglu": True, "staged": {"o": o, "gu": gu_beside_o}}},
-        )
     yield "model epilogues, staged gu", {"variant": {**model, "staged": {"gu": None}}}
-    yield "model epilogues, staged gu 8 warps", {"variant": {**model, "staged": {"gu": {"warps": 8}}}}
+    yield "model epilogues, staged gu whole blocks", {"variant": {**model, "staged": {"gu": {"balanced": 0}}}}
     yield "staged gu, gate apart", {"variant": {"staged": {"gu": None}}}
-    yield (
-        "staged gu, gate apart, 32x256 tiles (session 34's pending105 best)",
-        {"variant": {"staged": {"gu": {"block_n": 32}}}},
-    )
-    yield "staged down", {"variant": {"staged": {"down": None}}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 

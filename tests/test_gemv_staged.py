@@ -61,17 +61,37 @@ def test_plan_fits_the_ring_into_shared_memory_and_covers_every_output():
             ring = plan["stages"] * plan["block_n"] * plan["block_k"] * 2
             x_rows = triton.next_power_of_2(plan["kb"]) * plan["block_k"] * 2
             assert (ring + x_rows) * per_sm <= gemv_staged._SMEM_BUDGET
-            assert plan["grid"] * plan["blocks_per_program"] * plan["block_n"] >= n
-            assert (plan["grid"] - 1) * plan["blocks_per_program"] * plan["block_n"] < n  # no empty program
-            assert plan["grid"] <= 132 * per_sm
+            if plan["balanced"]:  # an equal share of the tiles for every program
+                assert plan["grid"] == 132 * per_sm
+            else:  # whole blocks: every output covered, no empty program
+                assert plan["grid"] * plan["blocks_per_program"] * plan["block_n"] >= n
+                assert (plan["grid"] - 1) * plan["blocks_per_program"] * plan["block_n"] < n
+                assert plan["grid"] <= 132 * per_sm
 
 
 def test_plan_picks_the_block_that_evens_out_the_programs():
-    # Ouro's gate/up pair: 5632 outputs on 132 SMs (42.7 rows each at best); 32-row blocks leave the busiest
-    # program 64 rows, 16- and 8-row blocks 48, so 16 (the larger of the two)
-    assert gemv_staged.staged_plan(5632, 2048, 132, swiglu=True)["block_n"] == 16
-    assert gemv_staged.staged_plan(11264, 2048, 132)["block_n"] == 8  # 88 rows, against 96 with 16 or 32
-    assert gemv_staged.staged_plan(11264, 2048, 132, {"block_n": 32})["block_n"] == 32
+    # balanced (the default): the tallest block that leaves every program at least a block's tiles
+    plan = gemv_staged.staged_plan(5632, 2048, 132, swiglu=True)  # Ouro's gate/up pair
+    assert (plan["block_n"], plan["balanced"], plan["grid"]) == (32, True, 132)
+    assert gemv_staged.staged_plan(2048, 2048, 132)["block_n"] == 8  # 256 blocks of 8 rows, 128 of 16
+    assert not gemv_staged.staged_plan(8, 64, 132)["balanced"]  # one block: one program
+    # whole blocks: 5632 outputs on 132 SMs (42.7 rows each at best); 32-row blocks leave the busiest program
+    # 64 rows, 16- and 8-row blocks 48, so 16 (the larger of the two)
+    whole = {"balanced": 0}
+    assert gemv_staged.staged_plan(5632, 2048, 132, whole, swiglu=True)["block_n"] == 16
+    assert gemv_staged.staged_plan(11264, 2048, 132, whole)["block_n"] == 8  # 88 rows, against 96 with 16 or 32
+    assert gemv_staged.staged_plan(11264, 2048, 132, {"block_n": 16})["block_n"] == 16
+
+
+def test_balanced_ranges_leave_no_block_to_three_programs():
+    for n, k, swiglu in [(5632, 2048, True), (2048, 5632, False), (6144, 2048, False), (2048, 2048, False)]:
+        plan = gemv_staged.staged_plan(n, k, 132, swiglu=swiglu)
+        tiles_per_block = plan["kb"] * (2 if swiglu else 1)
+        total = triton.cdiv(n, plan["block_n"]) * tiles_per_block
+        ranges = [(p * total // plan["grid"], (p + 1) * total // plan["grid"]) for p in range(plan["grid"])]
+        assert plan["balanced"] and all(hi - lo >= tiles_per_block for lo, hi in ranges)
+        assert ranges[0][0] == 0 and ranges[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def _check(x, weight, config=None, swiglu=False):
@@ -101,7 +121,8 @@ def test_matches_linear(n, k, dtype, swiglu):
 @pytest.mark.parametrize(
     "config",
     [{"stages": 2}, {"stages": 7}, {"block_n": 32}, {"block_n": 16, "block_k": 128}, {"block_n": 8, "block_k": 64},
-     {"programs_per_sm": 2}, {"programs_per_sm": 3, "warps": 8}, {"warps": 8}, {"warps": 4, "stages": 3}],
+     {"programs_per_sm": 2}, {"programs_per_sm": 3, "warps": 8}, {"warps": 8}, {"warps": 4, "stages": 3},
+     {"balanced": 0}, {"balanced": 0, "block_n": 8}],
 )  # fmt: skip
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_options_match_linear(config, swiglu):
@@ -134,7 +155,7 @@ def test_gemv_config_staged_routes_through_it(monkeypatch, swiglu):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("config", [None, {"warps": 8}])
+@pytest.mark.parametrize("config", [None, {"warps": 8}, {"balanced": 0}])
 def test_chain_through_pdl_and_graph_replays(config):
     g = torch.Generator(device="cuda").manual_seed(2)
     w1 = torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 2048**-0.5
