@@ -53,7 +53,7 @@ fi
 if [[ $what == pending106 ]]; then
   # session 34 (issue 4, ~4 min): the staged GEMV with a copy warp, 8 KiB tiles and the SwiGLU epilogue: GPU parity,
   # the decode chain, then Ouro end to end with the gate/up GEMV staged (RLT_GEMV_CONFIG=staged=1 on its shape)
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemv_staged.py > "$OUT/staged_tests.log" 2>&1
+  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv_staged.py tests/test_gemv.py > "$OUT/staged_tests.log" 2>&1
   echo "tests rc=$?"; tail -2 "$OUT/staged_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/staged_tests.log" | head
   timeout 100 python3 benchmarks/gemv_chain_bench.py --staged --reps 20 --out "$OUT/staged_chain.md" \
     > "$OUT/staged_chain.log" 2>&1
