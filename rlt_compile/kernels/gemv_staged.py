@@ -8,7 +8,10 @@ program per SM owns a contiguous range of output rows; a copy warp (``gl.warp_sp
 its weight tiles by TMA into a ring of shared-memory stages from the program's first instruction, PDL
 wait or not (the weights never depend on the previous kernel), so up to ~200 KiB per SM land while
 the kernels before it still run, in no register. The consumer warps wait, load ``x`` once into shared
-memory and multiply the tiles as they land, freeing each stage for the copy warp.
+memory and multiply the tiles as they land, freeing each stage for the copy warp. By default every
+program takes an equal share of the tiles (``balanced``): Ouro's 5632 gate/up outputs in whole
+blocks would leave 14 of 132 SMs idle, so a block cut between two programs is finished by the second
+of them from both partial sums (a counter per boundary, zero between launches).
 
 ``y = x @ W.T`` for one row ``x`` ``[K]`` and ``W`` ``[N, K]`` (16-bit, contiguous), fp32 accumulation
 (a 2-D accumulator reduced once per output block), one rounding to the output dtype; ``swiglu``:
