@@ -100,28 +100,19 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
     three set by ``main``). ``rope`` (``RopeColumns``): q and k rotated in the q/k/v GEMV's epilogue,
     as the compiled model runs (cuBLAS: the reference rotation after ``F.linear``)."""
     variant = variant or {}
-    staged = variant.get("staged") or {}  # GEMV name -> gemv_staged config: those GEMVs staged in shared memory
-
-    def gemv(name, a, w):
-        if name in staged:
-            from rlt_compile.kernels.gemv_staged import linear_staged
-
-            return linear_staged(a.contiguous(), w, staged[name])
-        return linear(a, w)
-
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
         if gemv_only:
-            qkv = gemv("qkv", h, p["qkv"])
-            o = gemv("o", qkv[:, : heads * dim], p["o"])
-            gu = gemv("gu", o, p["gu"])
-            h = gemv("down", gu[:, : p["down"].shape[1]], p["down"])
+            qkv = linear(h, p["qkv"])
+            o = linear(qkv[:, : heads * dim], p["o"])
+            gu = linear(o, p["gu"])
+            h = linear(gu[:, : p["down"].shape[1]], p["down"])
             continue
         no_norms = variant.get("no_norms")  # what any norm fusion could win at most (wrong outputs)
         residual, n = (residual, h) if no_norms else add_rmsnorm2_triton(h, residual, p["n2"], p["n1"], 1e-6, 1e-6)
         if rope is None:
-            qkv = gemv("qkv", n, p["qkv"])
+            qkv = linear(n, p["qkv"])
         elif linear is F.linear:
             qkv = gemv_mod.rope_columns_reference(F.linear(n, p["qkv"]), rope)
         else:
@@ -132,19 +123,13 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             a = q
         else:
             a = attention_forward(q, k, v, caches[i], scale=dim**-0.5, config=variant.get("attention"), **meta)
-        o = gemv("o", a.reshape(1, heads * dim), p["o"])
+        o = linear(a.reshape(1, heads * dim), p["o"])
         residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
-            if "gu" in staged:
-                from rlt_compile.kernels.gemv_staged import linear_staged
-
-                gated = linear_staged(n, p["gu"], staged["gu"], swiglu=True)
-            else:
-                gated = gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True)
-            h = gemv("down", gated, p["down"])
+            h = linear(gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True), p["down"])
             continue
-        gu = gemv("gu", n, p["gu"])
-        h = fold(gu, p["down"]) if fold else gemv("down", silu_mul(gu), p["down"])
+        gu = linear(n, p["gu"])
+        h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
     return h
 
 
@@ -174,35 +159,6 @@ def variant_candidates():
     for attention in ATTENTION_VARIANTS:
         name = " ".join(f"{key}={value}" for key, value in attention.items())
         yield f"swiglu epilogue, attention {name}", {"variant": {"swiglu": True, "attention": attention}}
-    yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
-    yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
-
-
-def staged_candidates():
-    """GEMVs whose weights TMA stages in shared memory from their first instruction
-    (``kernels/gemv_staged``: a copy warp, tiles of 4-16 KiB, balanced ranges) against the default chain: the gate/up GEMV
-    with the SwiGLU epilogue as the compiled model runs it, and with the gate as its own kernel (as
-    "gemv default"), and the bounds."""
-    yield "cublas", None
-    yield "gemv default", {}
-    yield "swiglu epilogue", {"variant": {"swiglu": True}}
-    model = {"swiglu": True, "rope": True}  # the epilogues the compiled model runs
-    yield "model epilogues", {"variant": model}
-    for label, staged in (
-        ("gu", {"gu": None}),
-        ("gu whole blocks", {"gu": {"balanced": 0}}),
-        ("gu 16-row tiles", {"gu": {"block_n": 16}}),
-        ("gu 8 warps", {"gu": {"warps": 8}}),
-        ("gu 2 per SM", {"gu": {"programs_per_sm": 2}}),
-        ("o + gu", {"o": None, "gu": {"stages": 8}}),  # 8 x 16 KiB: both rings fit an SM's shared memory
-        ("o 2 per SM + gu", {"o": {"programs_per_sm": 2}, "gu": {"stages": 8}}),
-        ("gu + down", {"gu": None, "down": None}),
-        ("down", {"down": None}),
-    ):
-        yield f"swiglu epilogue, staged {label}", {"variant": {"swiglu": True, "staged": staged}}
-    yield "model epilogues, staged gu", {"variant": {**model, "staged": {"gu": None}}}
-    yield "model epilogues, staged gu whole blocks", {"variant": {**model, "staged": {"gu": {"balanced": 0}}}}
-    yield "staged gu, gate apart", {"variant": {"staged": {"gu": None}}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 
@@ -313,9 +269,6 @@ def main(argv=None) -> int:
         help="one change each to the default chain: SwiGLU epilogue, norm warps, attention tiles",
     )
     parser.add_argument(
-        "--staged", action="store_true", help="GEMVs with TMA-staged weights (staged_candidates) against the default"
-    )
-    parser.add_argument(
         "--table", type=int, default=0, help="positions the block table describes (default: context + 80, as bench)"
     )
     parser.add_argument(
@@ -344,8 +297,6 @@ def main(argv=None) -> int:
     rows = []
     if args.variants:
         sweep = variant_candidates()
-    elif args.staged:
-        sweep = staged_candidates()
     elif args.shape_sweep:
         sweep = shape_candidates(hidden, inter)
     else:

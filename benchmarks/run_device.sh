@@ -50,18 +50,6 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending106 ]]; then
-  # session 34 (issue 4, ~4 min): the staged GEMV with a copy warp, 8 KiB tiles and the SwiGLU epilogue: GPU parity,
-  # the decode chain, then Ouro end to end with the gate/up GEMV staged (RLT_GEMV_CONFIG=staged=1 on its shape)
-  timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gemv_staged.py tests/test_gemv.py > "$OUT/staged_tests.log" 2>&1
-  echo "tests rc=$?"; tail -2 "$OUT/staged_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/staged_tests.log" | head
-  timeout 100 python3 benchmarks/gemv_chain_bench.py --staged --reps 20 --out "$OUT/staged_chain.md" \
-    > "$OUT/staged_chain.log" 2>&1
-  echo "chain rc=$?"; cat "$OUT/staged_chain.md" 2>/dev/null || tail -5 "$OUT/staged_chain.log"
-  timeout 240 python3 -m rlt_compile.bench --model ouro-1.4b,ouro-2.6b --eager-steps 0 --compiled-steps 0 \
-    --variant "RLT_GEMV_CONFIG=staged=1,only_n=11264,only_k=2048" --out "$OUT/decode_staged.md" > "$OUT/decode_staged.log" 2>&1
-  echo "bench rc=$?"; cat "$OUT/decode_staged.md" 2>/dev/null || tail -5 "$OUT/decode_staged.log"
-fi
 if [[ $what == pending103 ]]; then
   # session 32 (issue 3, ~3 min): the long-prompt tile's GPU parity in the op, then the attention table on the new
   # default (prefill 1 x 8k now on 128-row tiles) against SDPA and gather + SDPA

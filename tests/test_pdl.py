@@ -42,9 +42,6 @@ KERNELS = {
 # Launched without PDL: the Gluon prefill kernel (an ordinary launch waits for the kernel before it, and
 # the kernels after it wait for it in their own prologues)
 NO_PDL = {"_gluon_prefill_kernel"}
-# Gluon kernels with their own PDL prologue (inline griddepcontrol; tests/test_gemv_staged.py checks its order
-# in the SASS): the trigger first, the wait before the first read of an activation
-OWN_PDL = {"_staged_gemv_kernel"}
 # Kernels allowed to read some inputs before the prologue: inputs no kernel of the step's chain writes
 # (the decode GEMV's and the norms' weights, the decode attention's metadata), so reading them early
 # overlaps the previous kernel's tail. With the early trigger a kernel may launch several kernels
@@ -283,9 +280,9 @@ def test_every_kernel_starts_with_the_pdl_prologue():
     listed in ``EARLY_READS`` (never written by a previous kernel) and the returns in ``EARLY_EXITS``.
     A kernel added without it fails here."""
     kernels = aot.discover_kernels()
-    assert {name.rsplit(".", 1)[-1] for name in kernels} == KERNELS | NO_PDL | OWN_PDL
+    assert {name.rsplit(".", 1)[-1] for name in kernels} == KERNELS | NO_PDL
     for name, obj in kernels.items():
-        if name.rsplit(".", 1)[-1] in NO_PDL | OWN_PDL:
+        if name.rsplit(".", 1)[-1] in NO_PDL:
             continue
         fn = getattr(obj, "fn", obj)
         param = inspect.signature(fn).parameters.get("USE_PDL")
@@ -322,10 +319,10 @@ def _launches(pdl: int = 0, workloads=aot.WORKLOADS[:1], dtypes=(torch.float16,)
 
 def test_launchers_pass_use_pdl_and_launch_pdl_at_every_launch_site():
     """Every launch site passes the PDL mode; the Gluon prefill (the mock H200's default prefill)
-    launches without PDL; the staged GEMV (Gluon, ``RLT_GEMV_CONFIG=staged=1``) with it."""
+    launches without PDL."""
     for pdl in (2, 1, 0):
         launches = _launches(pdl)
-        assert {launch.kernel.rsplit(".", 1)[-1] for launch in launches} == KERNELS | NO_PDL | OWN_PDL
+        assert {launch.kernel.rsplit(".", 1)[-1] for launch in launches} == KERNELS | NO_PDL
         for launch in launches:
             if launch.kernel.rsplit(".", 1)[-1] in NO_PDL:
                 assert not {"USE_PDL", "launch_pdl"} & set(launch.kwargs), launch.kernel
@@ -402,11 +399,9 @@ def test_sm90_ptx_waits_before_any_memory_access_or_branch(monkeypatch, mode):
     specs: dict[str, aot.Specialisation] = {}
     for launch in launches:
         specs.setdefault(launch.kernel, aot._bind(launch, target))
-    assert {k.rsplit(".", 1)[-1] for k in specs} == KERNELS | OWN_PDL
+    assert {k.rsplit(".", 1)[-1] for k in specs} == KERNELS
     for name, spec in specs.items():
         assert spec.options.get("launch_pdl") is True, name
-        if name.rsplit(".", 1)[-1] in OWN_PDL:  # warp-specialized: the copy warp's loop precedes the wait in the PTX
-            continue
         kernel = _compile_sm90(spec)
         assert kernel.metadata.launch_pdl, name
         lines = [line.strip() for line in kernel.asm["ptx"].splitlines()]

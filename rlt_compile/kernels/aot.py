@@ -271,7 +271,7 @@ def _as_target(p: Platform, pdl: int = 0):
     is ``p`` and the kernel modules' SM count (``sm_count``, which sizes split-K and GEMV tiles) is ``p.num_sms``;
     on ``meta`` tensors it would otherwise be a CPU default. ``pdl``: the PDL mode every launcher
     picks (``launch.pdl_mode``; on ``meta`` tensors 0), to build the variants a GPU launches."""
-    from rlt_compile.kernels import gemv, gemv_staged, prefill_tma, rmsnorm, triton_attention
+    from rlt_compile.kernels import gemv, prefill_tma, rmsnorm, triton_attention
 
     def current() -> Platform:
         return p
@@ -279,10 +279,9 @@ def _as_target(p: Platform, pdl: int = 0):
     current.cache_clear = lambda: None  # type: ignore[attr-defined]
     patches = [(_platform, "current_platform", current)]
     if p.num_sms:  # the attention's split-K and the GEMVs' tiles (gemv_config) follow the SM count
-        patches += [(module, "sm_count", lambda device: p.num_sms) for module in (triton_attention, gemv, gemv_staged)]
+        patches += [(module, "sm_count", lambda device: p.num_sms) for module in (triton_attention, gemv)]
     if pdl:
-        modules = (triton_attention, prefill_tma, rmsnorm, gemv, gemv_staged)
-        patches += [(module, "pdl_mode", lambda t: pdl) for module in modules]
+        patches += [(module, "pdl_mode", lambda t: pdl) for module in (triton_attention, prefill_tma, rmsnorm, gemv)]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
@@ -420,12 +419,6 @@ def _run_gemv_launchers(workload: Workload, dtype: torch.dtype, mode: str) -> No
     tables = torch.empty(8, half, dtype=torch.float32, device="meta")  # more rows: the rotary kernel alone
     rows = gemv.RopeColumns(tables, tables, rope.lo, rope.hi, rope.head_dim)
     gemv.rope_columns_triton(torch.empty(8, qkv.shape[0], dtype=dtype, device="meta"), rows)
-    if _platform.current_platform().supports_wgmma and dtype != torch.float32:  # gemv_staged (config staged=1)
-        from rlt_compile.kernels import gemv_staged
-
-        x = torch.empty(1, workload.hidden, dtype=dtype, device="meta")
-        gemv_staged.linear_staged(x, gate_up, swiglu=True)
-        gemv_staged.linear_staged(x, qkv)
 
 
 # ------------------------------------------------------------------------------ specialisations

@@ -69,7 +69,7 @@ OP_MAX_ROWS = 1
 # A/B runs (benchmarks/gemv_chain_bench.py --variants; H200, session 19: Ouro chain 3.660 vs 3.698 ms).
 _EARLY_ROPE = True
 # Keys of ``linear_gemv``'s ``config`` and of ``RLT_GEMV_CONFIG`` (``gemv_config`` gives the defaults).
-CONFIG_KEYS = frozenset({"block_n", "block_k", "warps", "stages", "prefetch", "dot", "acc_2d", "staged"})
+CONFIG_KEYS = frozenset({"block_n", "block_k", "warps", "stages", "prefetch", "dot", "acc_2d"})
 # ``RLT_GEMV_CONFIG`` only: apply an entry to the weights of this many rows / columns only (one shape's A/B;
 # entries for several shapes are separated by ``;``).
 SHAPE_KEYS = frozenset({"only_n", "only_k"})
@@ -313,9 +313,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         else:
             block_n, block_k = 2, (2048 if k >= 4096 and not _long_runs_add_a_wave(n // 2, device) else 1024)
         block_k, stages = min(block_k, max(16, triton.next_power_of_2(k))), 3
-    return dict(
-        block_n=block_n, block_k=block_k, warps=warps, stages=stages, prefetch=True, dot=dot, acc_2d=acc_2d, staged=0
-    )
+    return dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, prefetch=True, dot=dot, acc_2d=acc_2d)
 
 
 # Resident one-row programs per SM on sm_90 (kernels/aot.py): 1024-long runs use ~31 registers, so the
@@ -476,8 +474,6 @@ def linear_gemv(
             f"linear_gemv with swiglu needs one row, no rope, an even number of output columns and of columns "
             f"per tile; got {m} rows, weight {tuple(weight.shape)}, {cfg}"
         )
-    if cfg["staged"] and rope is None and not silu_mul and _staged_serves(x2, weight):
-        return _linear_staged(x2, weight, swiglu).reshape(*x.shape[:-1], -1)
     n_out = n // 2 if swiglu else n
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     interpret = is_interpreted(x)
@@ -515,22 +511,6 @@ def linear_gemv(
             **pdl_launch_options(pdl),
         )
     return y.reshape(*x.shape[:-1], n_out)
-
-
-def _staged_serves(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the TMA-staged GEMV (``kernels/gemv_staged``, config ``staged=1``) can take this call:
-    Triton's Gluon on an sm_90+ GPU, one 16-bit row."""
-    if is_interpreted(x2) or not x2.is_cuda:
-        return False
-    from rlt_compile.kernels import gemv_staged
-
-    return gemv_staged.supports_staged(x2, weight)
-
-
-def _linear_staged(x2: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    from rlt_compile.kernels import gemv_staged
-
-    return gemv_staged.linear_staged(x2, weight, swiglu=swiglu)
 
 
 def silu_gate_triton(y: torch.Tensor) -> torch.Tensor:
