@@ -369,6 +369,9 @@ def test_decode_kernel_fp16(heads, split_k, fused):
         {"prefetch": False, "splits": 2},
         {"early_reads": False},
         {"l2_prefetch": 2, "splits": 2},  # (a hint the interpreter skips: the same results)
+        {"preload": True},  # the first cached tile loaded before the PDL wait (needs the fused write)
+        {"preload": True, "splits": 1, "block_n": 128},  # the whole context in that tile: no key loop
+        {"preload": True, "splits": 4, "block_n": 16, "l2_prefetch": 2},
         {"fuse_write": False, "splits": 4},
         {"decode": False},  # decode shapes through the unified kernel
         {"decode": False, "block_m": 32, "block_n": 32, "splits": 2},
@@ -817,6 +820,8 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
     configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
+    configs += [{"preload": True}, {"preload": True, "splits": 1, "block_n": 128, "warps": 8}]
+    configs += [{"preload": True, "splits": 4, "block_n": 16, "l2_prefetch": 2}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     configs += [{"fuse_reduce": True, "splits": 64, "early_exit": True}]  # empty splits leave before the wait
     configs += [{"split_grain": 16}, {"split_grain": 16, "splits": 32, "fuse_reduce": True}, {"early_q": False}]

@@ -234,6 +234,7 @@ def _decode_tile_config(
         "l2_prefetch": 1,
         "split_grain": None,  # None: block_n
         "early_q": True,
+        "preload": False,
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -290,6 +291,7 @@ CONFIG_KEYS = frozenset(
         "gluon_stages",
         "split_grain",
         "early_q",
+        "preload",
     }
 )
 

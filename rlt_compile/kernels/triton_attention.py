@@ -558,6 +558,8 @@ def _attention(
                 PREFETCH=bool(cfg["prefetch"]),
                 L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
+                PRELOAD=int(bool(cfg["preload"])) if early else 0,
+                OWN_N=min(block_n, 16) if cfg["preload"] else block_n,
                 PRECISION=precision,
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
