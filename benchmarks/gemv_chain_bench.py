@@ -191,6 +191,11 @@ ATTENTION_VARIANTS = (
     {"preload": 1, "splits": 1, "block_n": 128, "warps": 8, "use_dot": 1},
     {"preload": 1, "splits": 1, "block_n": 256, "warps": 16},
     {"preload": 1, "splits": 2, "block_n": 128, "warps": 16},
+    # this step's own key loaded with q, before the fused write's stores (session 35)
+    {"early_own": 1},
+    {"early_own": 1, "preload": 1},
+    {"early_own": 1, "preload": 1, "splits": 1, "block_n": 256, "warps": 16},
+    {"early_own": 1, "preload": 1, "splits": 1, "block_n": 128, "warps": 8, "use_dot": 1},
 )
 
 

@@ -235,6 +235,7 @@ def _decode_tile_config(
         "split_grain": None,  # None: block_n
         "early_q": True,
         "preload": False,
+        "early_own": False,
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -292,6 +293,7 @@ CONFIG_KEYS = frozenset(
         "split_grain",
         "early_q",
         "preload",
+        "early_own",
     }
 )
 

@@ -22,6 +22,9 @@ before it. It can also ask L2 to prefetch the first cached K/V tiles then (``L2_
 ``l2_prefetch``): a hint, not a load, so no ordering applies (L2 is the point of coherence).
 ``PRELOAD`` (config ``preload``) loads the split's first cached K/V tile into registers before the
 wait instead: the cache rows before this step's tokens are written by earlier steps only.
+``EARLY_OWN`` (config ``early_own``): the first ``OWN_N``-key tile of this step's own keys loads with q
+right after the wait, before the fused write's stores (which a later load could alias), so a decode
+row's own key costs no round trip of its own.
 """
 
 from __future__ import annotations
@@ -220,6 +223,7 @@ def _paged_attention_decode_kernel(
     L2_LINES: tl.constexpr,
     PRELOAD: tl.constexpr,
     OWN_N: tl.constexpr,
+    EARLY_OWN: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -284,9 +288,19 @@ def _paged_attention_decode_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off + offs_d * stride_cd
     k_src = k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd
     v_src = v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd
+    offs_own = tl.arange(0, OWN_N)
     if EARLY_Q:
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
         if FUSE_WRITE:
+            if EARLY_OWN:  # the split's first tile of this step's keys, in the same round trip
+                pos_own = tl.maximum(kv_lo, ctx_len) + offs_own
+                own_valid = pos_own < kv_hi
+                own_off = (q_start + pos_own - ctx_len).to(tl.int64)
+                own_mask = own_valid[:, None] & d_mask[None, :]
+                own_d = kv_head * stride_kh + offs_d[None, :] * stride_kd
+                k_own = tl.load(k_ptr + own_off[:, None] * stride_kt + own_d, mask=own_mask, other=0.0)
+                own_d = kv_head * stride_vh + offs_d[None, :] * stride_vd
+                v_own = tl.load(v_ptr + own_off[:, None] * stride_vt + own_d, mask=own_mask, other=0.0)
             k_row = tl.load(k_src, mask=write)
             v_row = tl.load(v_src, mask=write)
             tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=write)
@@ -337,8 +351,15 @@ def _paged_attention_decode_kernel(
         m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
     if FUSE_WRITE:  # this step's keys (the decode token itself) straight from k/v, in the cache dtype
         # OWN_N: this step's keys (one for a decode row) in narrower tiles than the cached ones
-        offs_own = tl.arange(0, OWN_N)
-        for start in range(tl.maximum(kv_lo, ctx_len), kv_hi, OWN_N):
+        own_first = tl.maximum(kv_lo, ctx_len)
+        if EARLY_OWN & EARLY_Q:
+            k_own = k_own.to(k_cache_ptr.dtype.element_ty)
+            v_own = v_own.to(v_cache_ptr.dtype.element_ty)
+            m_i, l_i, acc = _decode_tile(
+                q, k_own, v_own, own_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION
+            )
+            own_first += OWN_N
+        for start in range(own_first, kv_hi, OWN_N):
             pos = start + offs_own
             n_valid = pos < kv_hi
             src = (q_start + pos - ctx_len).to(tl.int64)
