@@ -194,6 +194,7 @@ ATTENTION_VARIANTS = (
     # this step's own key loaded with q, before the fused write's stores (session 35)
     {"early_own": 1},
     {"early_own": 1, "preload": 1},
+    {"early_own": 1, "preload": 1, "use_dot": 0},  # no layout conversion between the loads after the wait
     {"early_own": 1, "preload": 1, "splits": 1, "block_n": 256, "warps": 16},
     {"early_own": 1, "preload": 1, "splits": 1, "block_n": 128, "warps": 8, "use_dot": 1},
 )

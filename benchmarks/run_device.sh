@@ -61,6 +61,7 @@ if [[ $what == pending107 ]]; then
     --only "=swiglu epilogue,preload,early_own,no attention"
   run timeout 200 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
     --variant "RLT_ATTENTION_CONFIG=early_own=1" --variant "RLT_ATTENTION_CONFIG=preload=1,early_own=1" \
+    --variant "RLT_ATTENTION_CONFIG=preload=1,early_own=1,use_dot=0" \
     --variant "RLT_ATTENTION_CONFIG=preload=1,early_own=1,splits=1,block_n=256,warps=16" --out "$OUT/decode_preload.md"
 fi
 if [[ $what == pending103 ]]; then
