@@ -181,22 +181,6 @@ ATTENTION_VARIANTS = (
     # empty splits exit at once)
     {"splits": 4},
     {"splits": 8},
-    # the split's first cached tile loaded before the PDL wait (session 35); with one split per head the
-    # whole context, so no merge
-    {"preload": 1},
-    {"preload": 1, "splits": 4, "block_n": 32},
-    {"preload": 1, "splits": 2, "block_n": 64, "warps": 8},
-    {"preload": 1, "splits": 1, "block_n": 128, "warps": 8},
-    {"preload": 1, "splits": 1, "block_n": 128, "warps": 16},
-    {"preload": 1, "splits": 1, "block_n": 128, "warps": 8, "use_dot": 1},
-    {"preload": 1, "splits": 1, "block_n": 256, "warps": 16},
-    {"preload": 1, "splits": 2, "block_n": 128, "warps": 16},
-    # this step's own key loaded with q, before the fused write's stores (session 35)
-    {"early_own": 1},
-    {"early_own": 1, "preload": 1},
-    {"early_own": 1, "preload": 1, "use_dot": 0},  # no layout conversion between the loads after the wait
-    {"early_own": 1, "preload": 1, "splits": 1, "block_n": 256, "warps": 16},
-    {"early_own": 1, "preload": 1, "splits": 1, "block_n": 128, "warps": 8, "use_dot": 1},
 )
 
 

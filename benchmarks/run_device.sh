@@ -50,20 +50,6 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending107 ]]; then
-  # session 35 (issue 4, ~7 min): the decode attention's first cached K/V tile loaded before the PDL wait
-  # (preload) and this step's own key loaded with q (early_own): their GPU parity, the decode chain's variants,
-  # then Ouro-1.4B end to end against the default
-  timeout 120 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_triton_kernels.py -k "decode_kernel" \
-    > "$OUT/preload_tests.log" 2>&1; echo "tests rc=$?"; tail -2 "$OUT/preload_tests.log"
-  grep -E "^(FAILED|ERROR)" "$OUT/preload_tests.log" | head -10
-  run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain.md" \
-    --only "=swiglu epilogue,early_own,preload=1 splits=1,no attention"
-  run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
-    --variant "RLT_ATTENTION_CONFIG=early_own=1" --variant "RLT_ATTENTION_CONFIG=preload=1,early_own=1" \
-    --variant "RLT_ATTENTION_CONFIG=preload=1,early_own=1,use_dot=0" \
-    --variant "RLT_ATTENTION_CONFIG=preload=1,early_own=1,splits=1,block_n=256,warps=16" --out "$OUT/decode_preload.md"
-fi
 if [[ $what == pending103 ]]; then
   # session 32 (issue 3, ~3 min): the long-prompt tile's GPU parity in the op, then the attention table on the new
   # default (prefill 1 x 8k now on 128-row tiles) against SDPA and gather + SDPA

@@ -54,9 +54,7 @@ EARLY_READS = {
         "seq_lens_ptr",
         "block_tables_ptr",
         "slot_ptr",
-        # cached rows before this step's tokens: an L2 prefetch hint (l2_prefetch) or the first tile's
-        # loads (preload); only the rows of this step's tokens are stored, after the wait
-        "k_cache_ptr",
+        "k_cache_ptr",  # only an L2 prefetch hint of cached rows (l2_prefetch), never a load
         "v_cache_ptr",
     },
 }

@@ -369,11 +369,6 @@ def test_decode_kernel_fp16(heads, split_k, fused):
         {"prefetch": False, "splits": 2},
         {"early_reads": False},
         {"l2_prefetch": 2, "splits": 2},  # (a hint the interpreter skips: the same results)
-        {"preload": True},  # the first cached tile loaded before the PDL wait (needs the fused write)
-        {"preload": True, "splits": 1, "block_n": 128},  # the whole context in that tile: no key loop
-        {"preload": True, "splits": 4, "block_n": 16, "l2_prefetch": 2},
-        {"early_own": True},  # this step's key loaded with q, before the fused write's stores
-        {"early_own": True, "preload": True, "splits": 1, "block_n": 128},
         {"fuse_write": False, "splits": 4},
         {"decode": False},  # decode shapes through the unified kernel
         {"decode": False, "block_m": 32, "block_n": 32, "splits": 2},
@@ -617,10 +612,6 @@ def test_decode_shape_with_a_multi_token_sequence(split_k, fused):
     case = make_case([1, 3, 1], [30, 17, 0], 4, 2, 16, 16, torch.float32, pad_seqs=2, seed=23)
     assert uses_decode_kernel(case[0].shape[0], case[4].num_seqs)
     check_attention(case, split_k, fused=fused)
-    if fused:  # the early loads: a 20-token sequence's own keys span two 16-key tiles, the first loaded early
-        case = make_case([1, 20, 1], [30, 17, 0], 4, 2, 16, 16, torch.float32, pad_seqs=2, seed=28)
-        for config in ({"early_own": True}, {"preload": True, "early_own": True, "block_n": 32}):
-            check_attention(case, split_k, fused=True, config=config)
     case = make_case([4], [0], 2, 2, 16, 16, torch.float32, pad_seqs=3, seed=24)  # a pure prefill
     check_attention(case, split_k, fused=fused)
     # more sequences than one 64-wide counting chunk; the multi-token sequence sits in the second chunk
@@ -826,9 +817,6 @@ def test_gpu_decode_kernel_parity(dtype, heads, fused):
     configs += [{"block_n": 128}, {"block_n": 32, "warps": 8, "stages": 3}, {"warps": 2, "stages": 1}]
     configs += [{"prefetch": False}, {"waves": 4}, {"l2_prefetch": 1}, {"l2_prefetch": 2, "splits": 2}]
     configs += [{"l2_prefetch": 4, "splits": 1, "warps": 8}]
-    configs += [{"preload": True}, {"preload": True, "splits": 1, "block_n": 128, "warps": 8}]
-    configs += [{"preload": True, "splits": 4, "block_n": 16, "l2_prefetch": 2}, {"early_own": True}]
-    configs += [{"early_own": True, "preload": True, "splits": 1, "block_n": 256, "warps": 16}]
     configs += [{"fuse_reduce": group != 1, "splits": 2}, {"fuse_reduce": group != 1, "splits": 8}]
     configs += [{"fuse_reduce": True, "splits": 64, "early_exit": True}]  # empty splits leave before the wait
     configs += [{"split_grain": 16}, {"split_grain": 16, "splits": 32, "fuse_reduce": True}, {"early_q": False}]
@@ -850,7 +838,6 @@ def test_gpu_decode_kernel_block_sizes_and_multi_token_rows(block_size):
     for split in (None, 1, 4):
         check_attention(case, split, fused=True)
         check_attention(case, split)
-        check_attention(case, split, fused=True, config={"preload": True, "early_own": True})
 
 
 @pytest.mark.gpu

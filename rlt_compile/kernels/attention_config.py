@@ -234,8 +234,6 @@ def _decode_tile_config(
         "l2_prefetch": 1,
         "split_grain": None,  # None: block_n
         "early_q": True,
-        "preload": False,
-        "early_own": False,
     }
     if interpret:
         cfg.update(block_n=16, warps=4, stages=1)
@@ -292,8 +290,6 @@ CONFIG_KEYS = frozenset(
         "gluon_stages",
         "split_grain",
         "early_q",
-        "preload",
-        "early_own",
     }
 )
 

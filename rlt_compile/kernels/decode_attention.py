@@ -20,11 +20,6 @@ loads then overlap the previous kernel's tail; it still stores and returns only 
 for ``EARLY_EXIT`` (config ``early_exit``, off): splits other than split 0 without keys return
 before it. It can also ask L2 to prefetch the first cached K/V tiles then (``L2_TILES``, config
 ``l2_prefetch``): a hint, not a load, so no ordering applies (L2 is the point of coherence).
-``PRELOAD`` (config ``preload``) loads the split's first cached K/V tile into registers before the
-wait instead: the cache rows before this step's tokens are written by earlier steps only.
-``EARLY_OWN`` (config ``early_own``): the first ``OWN_N``-key tile of this step's own keys loads with q
-right after the wait, before the fused write's stores (which a later load could alias), so a decode
-row's own key costs no round trip of its own.
 """
 
 from __future__ import annotations
@@ -221,9 +216,6 @@ def _paged_attention_decode_kernel(
     PREFETCH: tl.constexpr,
     L2_TILES: tl.constexpr,
     L2_LINES: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    OWN_N: tl.constexpr,
-    EARLY_OWN: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -245,7 +237,7 @@ def _paged_attention_decode_kernel(
         )  # fmt: skip
         if L2_TILES > 0:  # the split's first L2_TILES cached tiles' K/V rows into L2, L2_LINES lines a row
             line = tl.arange(0, L2_LINES) * (BLOCK_D // L2_LINES)  # the first element of each line
-            for i in tl.static_range(PRELOAD, PRELOAD + L2_TILES):  # (a preloaded tile needs no hint)
+            for i in tl.static_range(L2_TILES):
                 pos_i = kv_lo + i * BLOCK_N + offs_n
                 block_i = block
                 if i > 0:
@@ -255,14 +247,6 @@ def _paged_attention_decode_kernel(
                 lines_mask = (pos_i < cache_hi)[:, None] & (line[None, :] < head_dim)
                 _prefetch_l2(k_cache_ptr + lines, lines_mask)
                 _prefetch_l2(v_cache_ptr + lines, lines_mask)
-        if PRELOAD:  # the split's first cached K/V tile into registers; no kernel of a step writes it
-            pos0 = kv_lo + offs_n
-            n_valid0 = pos0 < cache_hi
-            kv_off0 = block * stride_cb + (pos0 % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off
-            kv_mask0 = n_valid0[:, None] & d_mask[None, :]
-            k0 = tl.load(k_cache_ptr + kv_off0[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask0, other=0.0)
-            v0 = tl.load(v_cache_ptr + kv_off0[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask0, other=0.0)
-            block = _block_ids(table, pos0 + BLOCK_N, cache_hi, BLOCK_SIZE)  # the next tile's entries
         # EARLY_EXIT (fused merge only): a split without keys has nothing to wait for. Split 0 always
         # waits, so this grid still completes after the previous one (the PDL chain stays transitive).
         if EARLY_EXIT:  # noqa: SIM102 (constexpr, then runtime)
@@ -288,19 +272,9 @@ def _paged_attention_decode_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off + offs_d * stride_cd
     k_src = k_ptr + t64 * stride_kt + kv_head * stride_kh + offs_d * stride_kd
     v_src = v_ptr + t64 * stride_vt + kv_head * stride_vh + offs_d * stride_vd
-    offs_own = tl.arange(0, OWN_N)
     if EARLY_Q:
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
         if FUSE_WRITE:
-            if EARLY_OWN:  # the split's first tile of this step's keys, in the same round trip
-                pos_own = tl.maximum(kv_lo, ctx_len) + offs_own
-                own_valid = pos_own < kv_hi
-                own_off = (q_start + pos_own - ctx_len).to(tl.int64)
-                own_mask = own_valid[:, None] & d_mask[None, :]
-                own_d = kv_head * stride_kh + offs_d[None, :] * stride_kd
-                k_own = tl.load(k_ptr + own_off[:, None] * stride_kt + own_d, mask=own_mask, other=0.0)
-                own_d = kv_head * stride_vh + offs_d[None, :] * stride_vd
-                v_own = tl.load(v_ptr + own_off[:, None] * stride_vt + own_d, mask=own_mask, other=0.0)
             k_row = tl.load(k_src, mask=write)
             v_row = tl.load(v_src, mask=write)
             tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=write)
@@ -331,13 +305,9 @@ def _paged_attention_decode_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    first = kv_lo
-    if PRELOAD:
-        m_i, l_i, acc = _decode_tile(q, k0, v0, n_valid0, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
-        first = kv_lo + BLOCK_N
     # PREFETCH: the block-table entries of the next tile are loaded while this tile's K/V are in
     # flight, so each iteration waits for one memory round trip instead of two.
-    for start in range(first, cache_hi, BLOCK_N):
+    for start in range(kv_lo, cache_hi, BLOCK_N):
         pos = start + offs_n
         n_valid = pos < cache_hi
         if not PREFETCH:
@@ -350,17 +320,8 @@ def _paged_attention_decode_kernel(
             block = _block_ids(table, pos + BLOCK_N, cache_hi, BLOCK_SIZE)
         m_i, l_i, acc = _decode_tile(q, k, v, n_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION)
     if FUSE_WRITE:  # this step's keys (the decode token itself) straight from k/v, in the cache dtype
-        # OWN_N: this step's keys (one for a decode row) in narrower tiles than the cached ones
-        own_first = tl.maximum(kv_lo, ctx_len)
-        if EARLY_OWN & EARLY_Q:
-            k_own = k_own.to(k_cache_ptr.dtype.element_ty)
-            v_own = v_own.to(v_cache_ptr.dtype.element_ty)
-            m_i, l_i, acc = _decode_tile(
-                q, k_own, v_own, own_valid, m_i, l_i, acc, scale_log2, ROWS, USE_DOT, PRECISION
-            )
-            own_first += OWN_N
-        for start in range(own_first, kv_hi, OWN_N):
-            pos = start + offs_own
+        for start in range(tl.maximum(kv_lo, ctx_len), kv_hi, BLOCK_N):
+            pos = start + offs_n
             n_valid = pos < kv_hi
             src = (q_start + pos - ctx_len).to(tl.int64)
             kv_mask = n_valid[:, None] & d_mask[None, :]

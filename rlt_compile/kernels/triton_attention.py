@@ -558,9 +558,6 @@ def _attention(
                 PREFETCH=bool(cfg["prefetch"]),
                 L2_TILES=int(cfg["l2_prefetch"]) if early and nvidia else 0,  # a PTX hint: NVIDIA only
                 L2_LINES=triton.cdiv(block_d * kv_cache.element_size(), 128),
-                PRELOAD=int(bool(cfg["preload"])) if early else 0,
-                OWN_N=min(block_n, 16) if cfg["preload"] or cfg["early_own"] else block_n,
-                EARLY_OWN=fuse and bool(cfg["early_own"]) and bool(cfg["early_q"]),
                 PRECISION=precision,
                 USE_PDL=pdl,
                 num_warps=cfg["warps"],
