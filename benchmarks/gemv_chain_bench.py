@@ -167,6 +167,8 @@ def variant_candidates():
 # of 64-key tiles whatever the table, 3 of them with keys, the 16-row tl.dot tile, 4 warps, 2 stages,
 # merged in the kernel, the first tile prefetched into L2).
 ATTENTION_VARIANTS = (
+    {"warps": 1},
+    {"warps": 2},
     {"warps": 8},
     {"l2_prefetch": 1},
     {"l2_prefetch": 1, "warps": 8},
