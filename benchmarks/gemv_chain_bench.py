@@ -163,8 +163,8 @@ def variant_candidates():
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 
 
-# Decode-attention launcher configs of ``--variants`` (the op's own choice at context 128: 32 splits
-# of 64-key tiles whatever the table, 3 of them with keys, the 16-row tl.dot tile, 4 warps, 2 stages,
+# Decode-attention launcher configs of ``--variants`` (the op's own choice at context 128 since session
+# 20: 32 splits of 16-key tiles, 8 of them with keys, the 16-row tl.dot tile, 4 warps, 2 stages,
 # merged in the kernel, the first tile prefetched into L2).
 ATTENTION_VARIANTS = (
     {"warps": 1},

@@ -52,7 +52,8 @@ if [[ $what == final ]]; then
 fi
 if [[ $what == pending108 ]]; then
   # session 35 (issue 4, ~4 min): the decode attention's warps at the short-context default (16-key tiles, 32 splits;
-  # sessions 14 and 25 saw 2 and 8 warps faster in the chain and the op before those tiles), chain then end to end
+  # session 14 saw 2 and 8 warps faster in the chain with 64-key tiles, session 25's op sweep 2 warps at batch 8),
+  # chain then end to end
   run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_warps.md" \
     --only "=swiglu epilogue,attention warps=,no attention"
   run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
