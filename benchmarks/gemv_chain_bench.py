@@ -164,7 +164,7 @@ def variant_candidates():
 
 
 # Decode-attention launcher configs of ``--variants`` (the op's own choice at context 128 since session
-# 20: 32 splits of 16-key tiles, 8 of them with keys, the 16-row tl.dot tile, 4 warps, 2 stages,
+# 20: 32 splits of 16-key tiles, 9 of them with keys, the 16-row tl.dot tile, 4 warps, 2 stages,
 # merged in the kernel, the first tile prefetched into L2).
 ATTENTION_VARIANTS = (
     {"warps": 1},
