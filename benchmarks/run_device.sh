@@ -50,6 +50,12 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
+if [[ $what == pending109 ]]; then
+  # session 36 (issue 4, ~2 min): weights asked into L2 from a second stream while the attention runs (HBM idles
+  # there): the o weights, the gate/up GEMV's first MB, the next q/k/v GEMV's first MB; chain only
+  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_side.md" \
+    --only "=swiglu epilogue,side prefetch,no attention"
+fi
 if [[ $what == pending108 ]]; then
   # session 35 (issue 4, ~4 min): the decode attention's warps at the short-context default (16-key tiles, 32 splits;
   # session 14 saw 2 and 8 warps faster in the chain with 64-key tiles, session 25's op sweep 2 warps at batch 8),
