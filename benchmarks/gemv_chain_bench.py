@@ -61,86 +61,6 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
-def _side_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, c_ptr, c_bytes, BULK: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for three byte ranges (program axis 1 picks the range, axis 0 a contiguous share of it):
-    one ``prefetch.global.L2`` per 128-byte line, or with ``BULK`` one ``cp.async.bulk.prefetch.L2`` of
-    16 KiB per lane. A hint only: nothing is read into the SM and nothing is written."""
-    which = tl.program_id(1)
-    ptr, nbytes = a_ptr, a_bytes
-    if which == 1:
-        ptr, nbytes = b_ptr, b_bytes
-    if which == 2:
-        ptr, nbytes = c_ptr, c_bytes
-    chunk = BULK if BULK > 0 else 128
-    per_program = tl.cdiv(tl.cdiv(nbytes, chunk), tl.num_programs(0)) * chunk
-    start = tl.program_id(0).to(tl.int64) * per_program
-    for first in range(0, per_program, LINES * chunk):
-        off = start + first + tl.arange(0, LINES).to(tl.int64) * chunk
-        size = tl.minimum(tl.maximum(tl.minimum(nbytes, start + per_program) - off, 0), chunk).to(tl.int32)
-        if BULK > 0:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [ptr + off, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [ptr + off, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-
-
-class SidePrefetch:
-    """Weights asked into L2 from a second stream while the main stream runs the latency-bound kernels
-    (attention, norms) and HBM would idle: after the q/k/v GEMV, the o weights and the first ``gu_mb``
-    MB of the gate/up weights (half gate rows, half up rows: the first programs' rows); after the down
-    GEMV, the first ``qkv_mb`` MB of the next application's q/k/v weights. The second stream forks off
-    the main one at those points (an event: it starts when that GEMV has finished) and joins it at the
-    chain's end, so in a CUDA graph each prefetch is a branch beside the main chain."""
-
-    def __init__(self, cfg: dict):
-        self.gu_mb, self.qkv_mb = cfg.get("gu_mb", 0), cfg.get("qkv_mb", 0)
-        self.bulk = 16384 if cfg.get("form") == "bulk" else 0
-        self.programs, self.lines = cfg.get("programs", 16), cfg.get("lines", 64)
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-
-    def _launch(self, *ranges):
-        if self.stream is None:  # the CPU smoke run: nothing to prefetch into
-            return
-        args = []
-        for t, nbytes in ranges:
-            args += [t.view(torch.uint8), int(nbytes)]
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            _side_prefetch_kernel[(self.programs, len(ranges))](*args, BULK=self.bulk, LINES=self.lines, num_warps=1)
-
-    def after_qkv(self, p):
-        gate, up = p["gu"].chunk(2)
-        half = int(self.gu_mb * 2**19)  # bytes of each half
-        row = gate.shape[1] * gate.element_size()
-        rows = min(gate.shape[0], half // row)
-        o = p["o"]
-        self._launch((o, o.numel() * o.element_size()), (gate, rows * row), (up, rows * row))
-
-    def after_down(self, next_p):
-        if next_p is not None and self.qkv_mb:
-            qkv = next_p["qkv"]
-            nbytes = min(qkv.numel() * qkv.element_size(), int(self.qkv_mb * 2**20))
-            self._launch((qkv, nbytes), (qkv, 0), (qkv, 0))
-
-    def join(self):
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
-
 def make_layers(n_layers, hidden, inter, heads, dim, dtype, device):
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -177,10 +97,9 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
     config for the attention op, ``swiglu``: the gate in the gate/up GEMV's epilogue (what the
     compiled model runs), ``norm_warps``: the norm kernels' warps, ``late_residual`` / ``late_rope``:
     the norms' residual / the rotary's cos and sin loaded late, the orders before session 18 (all
-    three set by ``main``), ``side_prefetch``: a ``SidePrefetch`` config. ``rope`` (``RopeColumns``): q and k rotated in the q/k/v GEMV's epilogue,
+    three set by ``main``). ``rope`` (``RopeColumns``): q and k rotated in the q/k/v GEMV's epilogue,
     as the compiled model runs (cuBLAS: the reference rotation after ``F.linear``)."""
     variant = variant or {}
-    side = SidePrefetch(variant["side_prefetch"]) if variant.get("side_prefetch") else None
     h = x
     residual = torch.zeros_like(x)
     for i, p in enumerate(layers):
@@ -198,8 +117,6 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
             qkv = gemv_mod.rope_columns_reference(F.linear(n, p["qkv"]), rope)
         else:
             qkv = gemv_mod.linear_gemv(n, p["qkv"], variant.get("qkv"), rope=rope)
-        if side:
-            side.after_qkv(p)
         qkv = qkv.view(1, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         if variant.get("no_attention"):  # what any attention change could win at most (wrong outputs)
@@ -210,13 +127,9 @@ def chain(x, layers, linear, caches, meta, heads, dim, gemv_only, fold=None, var
         residual, n = (residual, o) if no_norms else add_rmsnorm2_triton(o, residual, p["n1"], p["n2"], 1e-6, 1e-6)
         if variant.get("swiglu"):  # the gate in the gate/up GEMV's epilogue
             h = linear(gemv_mod.linear_gemv(n, p["gu"], variant.get("gate_up"), swiglu=True), p["down"])
-        else:
-            gu = linear(n, p["gu"])
-            h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
-        if side:
-            side.after_down(layers[i + 1] if i + 1 < len(layers) else None)
-    if side:
-        side.join()
+            continue
+        gu = linear(n, p["gu"])
+        h = fold(gu, p["down"]) if fold else linear(silu_mul(gu), p["down"])
     return h
 
 
@@ -246,9 +159,6 @@ def variant_candidates():
     for attention in ATTENTION_VARIANTS:
         name = " ".join(f"{key}={value}" for key, value in attention.items())
         yield f"swiglu epilogue, attention {name}", {"variant": {"swiglu": True, "attention": attention}}
-    for side in SIDE_PREFETCH_VARIANTS:
-        name = " ".join(f"{key}={value}" for key, value in side.items())
-        yield f"swiglu epilogue, side prefetch {name}", {"variant": {"swiglu": True, "side_prefetch": side}}
     yield "no norm kernels (bound)", {"variant": {"swiglu": True, "no_norms": True}}
     yield "no attention kernels (bound)", {"variant": {"swiglu": True, "no_attention": True}}
 
@@ -273,21 +183,6 @@ ATTENTION_VARIANTS = (
     # empty splits exit at once)
     {"splits": 4},
     {"splits": 8},
-)
-
-
-# ``SidePrefetch`` configs of ``--variants``: the o weights alone, then with the gate/up GEMV's first MB,
-# as 128-byte line hints or 16 KiB bulk prefetches, and the next q/k/v GEMV's first MB after the down GEMV
-SIDE_PREFETCH_VARIANTS = (
-    {"form": "lines"},
-    {"form": "lines", "gu_mb": 8},
-    {"form": "lines", "gu_mb": 16},
-    {"form": "lines", "gu_mb": 24},
-    {"form": "lines", "gu_mb": 16, "qkv_mb": 4},
-    {"form": "lines", "gu_mb": 16, "programs": 64},
-    {"form": "bulk"},
-    {"form": "bulk", "gu_mb": 16},
-    {"form": "bulk", "gu_mb": 16, "qkv_mb": 4},
 )
 
 

@@ -50,22 +50,6 @@ if [[ $what == final ]]; then
   run timeout 240 python3 -m rlt_compile.bench --model all --eager-steps 1 --compiled-steps 0 --out "$OUT/decode_all.md"
   run timeout 150 python3 benchmarks/attention_bench.py --out "$OUT/attention.md"
 fi
-if [[ $what == pending109 ]]; then
-  # session 36 (issue 4, ~2 min): weights asked into L2 from a second stream while the attention runs (HBM idles
-  # there): the o weights, the gate/up GEMV's first MB, the next q/k/v GEMV's first MB; chain only
-  run timeout 200 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_side.md" \
-    --only "=swiglu epilogue,side prefetch,no attention"
-fi
-if [[ $what == pending108 ]]; then
-  # session 35 (issue 4, ~4 min): the decode attention's warps at the short-context default (16-key tiles, 32 splits;
-  # session 14 saw 2 and 8 warps faster in the chain with 64-key tiles, session 25's op sweep 2 warps at batch 8),
-  # chain then end to end
-  run timeout 150 python3 benchmarks/gemv_chain_bench.py --variants --reps 20 --out "$OUT/chain_warps.md" \
-    --only "=swiglu epilogue,attention warps=,no attention"
-  run timeout 150 python3 -m rlt_compile.bench --model ouro-1.4b --eager-steps 0 --compiled-steps 0 \
-    --variant "RLT_ATTENTION_CONFIG=warps=1" --variant "RLT_ATTENTION_CONFIG=warps=2" \
-    --variant "RLT_ATTENTION_CONFIG=warps=8" --out "$OUT/decode_warps.md"
-fi
 if [[ $what == pending103 ]]; then
   # session 32 (issue 3, ~3 min): the long-prompt tile's GPU parity in the op, then the attention table on the new
   # default (prefill 1 x 8k now on 128-row tiles) against SDPA and gather + SDPA
