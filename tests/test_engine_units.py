@@ -8,6 +8,7 @@ import torch
 
 from rlt_compile.engine import EngineConfig, SamplingParams
 from rlt_compile.engine.block_manager import BlockManager
+from rlt_compile.engine.detokenizer import detokenize_step
 from rlt_compile.engine.outputs import CompletionOutput, RequestOutput
 from rlt_compile.engine.sampler import Sampler, adjust_logits, filter_top_k_top_p
 from rlt_compile.engine.scheduler import Scheduler
@@ -293,3 +294,57 @@ def test_request_output_merge():
     full = RequestOutput("a", None, [1], [CompletionOutput(0, "x", [5])])
     full.merge(RequestOutput("a", None, [1], [CompletionOutput(0, " y", [6], finish_reason="stop")], finished=True))
     assert full.outputs[0].text == "x y" and full.outputs[0].token_ids == [5, 6] and full.finished
+
+
+# -- incremental detokenization ------------------------------------------------------------------
+
+
+def _byte_tokenizer():
+    """One token per UTF-8 byte (byte-level BPE without merges): characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+def _detokenize(tokenizer, prompt: list[int], output: list[int]) -> list[str]:
+    """The text each output token adds, one token at a time, as the engine feeds them."""
+    seq = _seq(prompt, params=SamplingParams(max_tokens=len(output)))
+    pieces = []
+    for token in output:
+        seq.token_ids.append(token)
+        pieces.append(detokenize_step(tokenizer, seq))
+    assert "".join(pieces) == seq.text
+    return pieces
+
+
+def test_detokenized_text_continues_the_prompt():
+    # the word-level tiny tokenizer drops a text's first space, as SentencePiece does
+    from rlt_compile.tiny import build_tokenizer
+
+    tok = build_tokenizer(256)
+    prompt, output = tok.encode("one two three"), tok.encode("four five")
+    assert tok.decode(output) == "four five"
+    pieces = _detokenize(tok, prompt, output)
+    assert pieces == [" four", " five"]
+    assert tok.decode(prompt) + "".join(pieces) == tok.decode(prompt + output)
+
+
+def test_detokenizer_holds_back_split_characters():
+    tok = _byte_tokenizer()
+    prompt, output = tok.encode("naïve "), tok.encode("é ü!")
+    pieces = _detokenize(tok, prompt, output)
+    assert len(output) == 6 and "".join(pieces) == "é ü!"
+    assert pieces == ["", "é", " ", "", "ü", "!"]  # nothing is sent until a character is whole
+
+
+def test_detokenizer_completes_a_character_the_prompt_splits():
+    # a prompt given as token ids may stop inside a character: the output's text starts with it whole
+    tok = _byte_tokenizer()
+    ids = tok.encode("naïve é ok")
+    prompt, output = ids[:8], ids[8:]  # "naïve " (7 bytes) and é's first byte
+    assert tok.decode(prompt).endswith("\ufffd")
+    assert "".join(_detokenize(tok, prompt, output)) == "é ok"

@@ -1,9 +1,13 @@
 """Incremental detokenization and stop-string matching for one sequence.
 
-Each new token decodes only a short window of the output (from ``prefix_offset``): the new text is
+Each new token decodes only a short window of the tokens (from ``prefix_offset``): the new text is
 ``decode(window) - decode(window minus the new tokens)``, so the work per token stays constant and
 tokenizers that merge bytes or strip leading spaces still produce the text a full decode would.
-An incomplete UTF-8 character (a trailing U+FFFD) is held back until the next token completes it.
+The first window starts a few tokens inside the prompt, as vLLM's does: a SentencePiece or
+word-level tokenizer drops the leading space of a text's first word, so the first output token is
+decoded after the prompt's last words and keeps its space (``prompt + text`` reads as
+``decode(prompt + output)``). An incomplete UTF-8 character (a trailing U+FFFD) is held back until
+the next token completes it.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ _WINDOW = 6  # tokens of context kept before the unread ones
 
 
 def detokenize_step(tokenizer, seq: Sequence) -> str:
-    """Append the text of ``seq``'s newest output tokens to ``seq.text``; returns the new text."""
-    ids = seq.output_token_ids
+    """Append the text of ``seq``'s newest output tokens to ``seq.text``; returns the new text.
+    ``seq.prefix_offset`` / ``seq.read_offset`` index ``seq.token_ids`` (prompt and output)."""
+    ids = seq.token_ids
     skip = seq.params.skip_special_tokens
+    if seq.read_offset < 0:  # the first output tokens: read them after the prompt's last tokens
+        seq.prefix_offset, seq.read_offset = _prompt_window(tokenizer, seq.prompt_token_ids, skip)
     prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
     full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
     if full.endswith("\ufffd"):
@@ -26,6 +33,17 @@ def detokenize_step(tokenizer, seq: Sequence) -> str:
     seq.read_offset = len(ids)
     seq.prefix_offset = max(seq.read_offset - _WINDOW, 0)
     return new_text
+
+
+def _prompt_window(tokenizer, prompt: list[int], skip: bool) -> tuple[int, int]:
+    """The first window: ``_WINDOW`` tokens before the prompt's end, read up to its end, or up to
+    the start of a character the prompt leaves incomplete (the output's first tokens complete it,
+    and the whole character is then output text, as in vLLM's decode stream)."""
+    read = len(prompt)
+    start = max(read - _WINDOW, 0)
+    while read > start and tokenizer.decode(prompt[start:read], skip_special_tokens=skip).endswith("\ufffd"):
+        read -= 1
+    return start, read
 
 
 def find_stop_string(seq: Sequence, new_text_len: int) -> str | None:

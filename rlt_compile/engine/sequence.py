@@ -60,8 +60,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         # incremental detokenization / streaming state
         self.text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.prefix_offset = self.read_offset = -1  # indices into token_ids, set by the first detokenize_step
         self.sent_tokens = 0
         self.sent_text = 0
         self.sent_logprobs = 0
