@@ -98,6 +98,72 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+class _NoPatch:
+    def restore(self) -> None:
+        pass
+
+
+_PATCHED = threading.local()  # per thread: its running interpreted launch's patches
+_PATCH_USERS = 0
+_REAL_PATCH_LANG = None
+_PATCH_LOCK = threading.Lock()
+
+
+def _patch_lang_once(real):
+    """``real`` (Triton's ``interpreter._patch_lang``) once per language module and launch: a
+    device-function call inside a running launch patches only modules the launch has not patched
+    yet, and those patches stay until the launch restores its own."""
+
+    def patch_lang(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        launch = getattr(_PATCHED, "launch", None)
+        if launch is None:  # a launch's own patch, which it restores when its grid is done
+            scope = real(fn)
+            launch = _PATCHED.launch = {"langs": langs, "scopes": [scope]}
+            restore = scope.restore
+
+            def restore_launch():
+                _PATCHED.launch = None
+                for nested in reversed(launch["scopes"][1:]):
+                    nested.restore()
+                restore()
+
+            scope.restore = restore_launch
+            return scope
+        if not langs <= launch["langs"]:  # e.g. tl.sum's module sees triton.language.core only
+            launch["scopes"].append(real(fn))
+            launch["langs"] |= langs
+        return _NoPatch()
+
+    return patch_lang
+
+
+@contextlib.contextmanager
+def _language_patched_once():
+    """Triton's interpreter patches ``triton.language`` again at every device-function call inside
+    a kernel (hundreds of ``inspect.getmembers`` walks each time: half of an interpreted launch's
+    time), though the kernel's own patch, in place until its grid is done, already covers the
+    call. Within this scope such calls skip it; anything else patches as before."""
+    global _PATCH_USERS, _REAL_PATCH_LANG
+    from triton.runtime import interpreter
+
+    if not hasattr(interpreter, "_patch_lang"):  # pragma: no cover - other triton versions
+        yield
+        return
+    with _PATCH_LOCK:
+        if _PATCH_USERS == 0:
+            _REAL_PATCH_LANG = interpreter._patch_lang
+            interpreter._patch_lang = _patch_lang_once(_REAL_PATCH_LANG)
+        _PATCH_USERS += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCH_USERS -= 1
+            if _PATCH_USERS == 0:
+                interpreter._patch_lang = _REAL_PATCH_LANG
+
+
 @contextlib.contextmanager
 def interpreter_scope(interpret: bool):
     """Let interpreted kernels call triton's own library functions (``tl.sum``, ``tl.max``,
@@ -106,39 +172,38 @@ def interpreter_scope(interpret: bool):
     an interpreted launch they run through the interpreter like the kernel itself."""
     from triton.runtime.jit import JITFunction
 
-    if not interpret or not isinstance(tl.sum, JITFunction):
+    if not interpret:
         yield
         return
-    from triton.runtime.interpreter import InterpretedFunction
+    with _language_patched_once():
+        if not isinstance(tl.sum, JITFunction):
+            yield
+            return
+        from triton.runtime import interpreter
 
-    try:  # InterpretedFunction.__call__ (a device-function call) patches triton.language and never
-        # restores it, which breaks later real compiles in the same process; restore it ourselves.
-        from triton.runtime.interpreter import _patch_lang
-    except ImportError:  # pragma: no cover - other triton versions
-        _patch_lang = None
+        original = JITFunction.__call__
+        wrapped: dict[int, interpreter.InterpretedFunction] = {}
 
-    original = JITFunction.__call__
-    wrapped: dict[int, InterpretedFunction] = {}
-
-    def call(self, *args, **kwargs):
-        fn = wrapped.get(id(self))
-        if fn is None:
-            fn = wrapped[id(self)] = InterpretedFunction(self.fn)
-        if _patch_lang is None or not hasattr(fn, "rewrite"):
-            return fn(*args, **kwargs)
-        scope = _patch_lang(fn.fn)
-        try:
-            return fn.rewrite()(*args, **kwargs)
-        finally:
-            if hasattr(scope, "restore"):
+        def call(self, *args, **kwargs):
+            fn = wrapped.get(id(self))
+            if fn is None:
+                fn = wrapped[id(self)] = interpreter.InterpretedFunction(self.fn)
+            if not hasattr(fn, "rewrite"):  # pragma: no cover - other triton versions
+                return fn(*args, **kwargs)
+            # InterpretedFunction.__call__ (a device-function call) patches triton.language and never
+            # restores it, which breaks later real compiles in the same process; restore it ourselves.
+            scope = interpreter._patch_lang(fn.fn)
+            try:
+                return fn.rewrite()(*args, **kwargs)
+            finally:
                 scope.restore()
 
-    with _INTERPRETER_LOCK:
-        JITFunction.__call__ = call
-        try:
-            yield
-        finally:
-            JITFunction.__call__ = original
+        with _INTERPRETER_LOCK:
+            JITFunction.__call__ = call
+            try:
+                yield
+            finally:
+                JITFunction.__call__ = original
 
 
 def sm_count(device: torch.device) -> int:
