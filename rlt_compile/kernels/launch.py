@@ -119,19 +119,19 @@ def _patch_lang_once(real):
         launch = getattr(_PATCHED, "launch", None)
         if launch is None:  # a launch's own patch, which it restores when its grid is done
             scope = real(fn)
-            launch = _PATCHED.launch = {"langs": langs, "scopes": [scope]}
+            launch = _PATCHED.launch = {"langs": langs, "nested": []}
             restore = scope.restore
 
             def restore_launch():
                 _PATCHED.launch = None
-                for nested in reversed(launch["scopes"][1:]):
+                for nested in reversed(launch["nested"]):
                     nested.restore()
                 restore()
 
             scope.restore = restore_launch
             return scope
         if not langs <= launch["langs"]:  # e.g. tl.sum's module sees triton.language.core only
-            launch["scopes"].append(real(fn))
+            launch["nested"].append(real(fn))
             launch["langs"] |= langs
         return _NoPatch()
 
