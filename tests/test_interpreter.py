@@ -1,6 +1,7 @@
 """Interpreted launches (``rlt_compile.kernels.launch.interpreter_scope``) on the CPU: correct results,
 ``triton.language`` patched once per launch and module rather than at every device-function call,
-and left exactly as it was afterwards (later real compiles in the process depend on it)."""
+NumPy dtypes looked up in a table, and Triton left exactly as it was afterwards (later real compiles in
+the process depend on it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
+from rlt_compile.kernels import launch
 from rlt_compile.kernels.launch import interpreter_scope, kernel_for
 
 LANGUAGE = (tl, tl.core, tl.math, tl.core.tensor)
@@ -80,3 +82,33 @@ def test_language_is_patched_once_per_module_and_launch(monkeypatch):
         # own functions (tl.zeros); none for the helper's calls nor for tl.sum's
         assert calls == ["_helper_loop_kernel", "zeros"], calls
     assert interpreter._patch_lang is counting
+
+
+def test_np_dtypes_come_from_a_table_during_a_launch_and_equal_triton_s(monkeypatch):
+    real = interpreter._get_np_dtype
+    asked = []
+
+    def counting(tt_dtype):
+        asked.append(tt_dtype)
+        return real(tt_dtype)
+
+    monkeypatch.setattr(interpreter, "_get_np_dtype", counting)
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(_launch(x, 12), _expected(x, 12))
+    # each element type is mapped once per launch (the uncached interpreter asks at nearly every op:
+    # hundreds of times here), pointers every time
+    element_types = [t for t in asked if not isinstance(t, tl.pointer_type)]
+    assert 0 < len(element_types) == len(set(map(str, element_types))) <= 4, element_types
+    assert interpreter._get_np_dtype is counting
+
+    cached = launch._np_dtype_cached(real)
+    for tt_dtype in (
+        tl.float32,
+        tl.bfloat16,
+        tl.int1,
+        tl.int64,
+        tl.pointer_type(tl.float16),
+        tl.block_type(tl.float16, [4]),
+        tl.block_type(tl.pointer_type(tl.int32), [2, 8]),
+    ):
+        assert cached(tt_dtype) == cached(tt_dtype) == real(tt_dtype), tt_dtype

@@ -104,9 +104,9 @@ class _NoPatch:
 
 
 _PATCHED = threading.local()  # per thread: its running interpreted launch's patches
-_PATCH_USERS = 0
-_REAL_PATCH_LANG = None
-_PATCH_LOCK = threading.Lock()
+_FAST_PATH_USERS = 0
+_REAL_INTERPRETER_FUNCTIONS: dict = {}
+_FAST_PATH_LOCK = threading.Lock()
 
 
 def _patch_lang_once(real):
@@ -138,30 +138,56 @@ def _patch_lang_once(real):
     return patch_lang
 
 
+def _np_dtype_cached(real):
+    """``real`` (Triton's ``interpreter._get_np_dtype``, which builds a 20-entry table at every call,
+    i.e. at nearly every interpreted op) answering from a table kept per element type."""
+    table: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):  # unhashable; real() answers it before its table
+            return real(tt_dtype)
+        np_dtype = table.get(tt_dtype)
+        if np_dtype is None:
+            np_dtype = table[tt_dtype] = real(tt_dtype)
+        return np_dtype
+
+    return get_np_dtype
+
+
+# Triton interpreter functions replaced while an interpreted launch runs, and their replacements
+_FAST_PATHS = {"_patch_lang": _patch_lang_once, "_get_np_dtype": _np_dtype_cached}
+
+
 @contextlib.contextmanager
-def _language_patched_once():
-    """Triton's interpreter patches ``triton.language`` again at every device-function call inside
-    a kernel (hundreds of ``inspect.getmembers`` walks each time: half of an interpreted launch's
-    time), though the kernel's own patch, in place until its grid is done, already covers the
-    call. Within this scope such calls skip it; anything else patches as before."""
-    global _PATCH_USERS, _REAL_PATCH_LANG
+def _interpreter_fast_paths():
+    """Two costs of Triton's interpreter removed while any interpreted launch runs:
+
+    - it patches ``triton.language`` again at every device-function call inside a kernel (hundreds
+      of ``inspect.getmembers`` walks each time), though the kernel's own patch, in place until its
+      grid is done, already covers the call: within this scope such calls skip it;
+    - it maps each op's Triton dtype to a NumPy dtype by building a fresh table: cached here.
+
+    Outside any interpreted launch the originals are back in place."""
+    global _FAST_PATH_USERS
     from triton.runtime import interpreter
 
-    if not hasattr(interpreter, "_patch_lang"):  # pragma: no cover - other triton versions
-        yield
-        return
-    with _PATCH_LOCK:
-        if _PATCH_USERS == 0:
-            _REAL_PATCH_LANG = interpreter._patch_lang
-            interpreter._patch_lang = _patch_lang_once(_REAL_PATCH_LANG)
-        _PATCH_USERS += 1
+    names = [name for name in _FAST_PATHS if hasattr(interpreter, name)]  # other triton versions: fewer
+    with _FAST_PATH_LOCK:
+        if _FAST_PATH_USERS == 0:
+            for name in names:
+                _REAL_INTERPRETER_FUNCTIONS[name] = real = getattr(interpreter, name)
+                setattr(interpreter, name, _FAST_PATHS[name](real))
+        _FAST_PATH_USERS += 1
     try:
         yield
     finally:
-        with _PATCH_LOCK:
-            _PATCH_USERS -= 1
-            if _PATCH_USERS == 0:
-                interpreter._patch_lang = _REAL_PATCH_LANG
+        with _FAST_PATH_LOCK:
+            _FAST_PATH_USERS -= 1
+            if _FAST_PATH_USERS == 0:
+                for name in names:
+                    setattr(interpreter, name, _REAL_INTERPRETER_FUNCTIONS.pop(name))
 
 
 @contextlib.contextmanager
@@ -175,7 +201,7 @@ def interpreter_scope(interpret: bool):
     if not interpret:
         yield
         return
-    with _language_patched_once():
+    with _interpreter_fast_paths():
         if not isinstance(tl.sum, JITFunction):
             yield
             return
